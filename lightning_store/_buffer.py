@@ -1,0 +1,164 @@
+"""The CPU buffer: device-to-host copies that never stall the step, folded into the state in order."""
+
+from collections import deque
+from collections.abc import Callable
+from functools import cache
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+_Fold = Callable[[Tensor], None]
+
+
+class _Copy(Protocol):
+    """One device-to-host copy, possibly still in flight."""
+
+    def ready(self) -> bool:
+        """Whether the copy has landed, without waiting."""
+
+    def wait(self) -> Tensor:
+        """Block until the copy has landed and return the host tensor (valid until :meth:`release`)."""
+
+    def release(self) -> None:
+        """Hand the host memory back for reuse; the tensor from :meth:`wait` must not be used after this."""
+
+
+class _Transfer(Protocol):
+    """Starts device-to-host copies."""
+
+    def start(self, tensor: Tensor) -> _Copy:
+        """Start copying ``tensor`` to the CPU."""
+
+
+class _Landed:
+    """A copy that is already on the CPU."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self._tensor = tensor
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> Tensor:
+        return self._tensor
+
+    def release(self) -> None:
+        pass
+
+
+class _BlockingTransfer:
+    """The simple path for CPU, MPS, XLA and any other device: a plain ``.to("cpu")``."""
+
+    def start(self, tensor: Tensor) -> _Copy:
+        return _Landed(tensor.to("cpu"))
+
+
+class _Slot:
+    """A pinned host tensor and the event that marks its copy as landed, reused from copy to copy."""
+
+    __slots__ = ("event", "host", "pool")
+
+    def __init__(self, host: Tensor, pool: "list[_Slot]") -> None:
+        self.host = host
+        self.event = torch.cuda.Event()
+        self.pool = pool
+
+    def ready(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> Tensor:
+        self.event.synchronize()
+        return self.host
+
+    def release(self) -> None:
+        if len(self.pool) < _CUDATransfer.pool_size:
+            self.pool.append(self)
+
+
+class _CUDATransfer:
+    """Non-blocking copies into a small pool of pinned memory, on a side stream of the value's device.
+
+    The copy stream first waits for the stream that produced the value, so the copy reads a finished value, and it
+    never serialises with the training or NCCL streams. The landing event is recorded on the value's own device.
+    """
+
+    pool_size = 64
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device)
+        self._pools: dict[tuple[torch.dtype, torch.Size], list[_Slot]] = {}
+
+    def start(self, tensor: Tensor) -> _Copy:
+        if tensor.device != self.device:
+            return _Landed(tensor.to("cpu"))
+        pool = self._pools.setdefault((tensor.dtype, tensor.shape), [])
+        slot = pool.pop() if pool else _Slot(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), pool)
+        with torch.cuda.device(self.device):
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                slot.host.copy_(tensor, non_blocking=True)
+                slot.event.record(self._stream)
+        # the caching allocator must not hand the value's memory out again before the copy stream has read it
+        tensor.record_stream(self._stream)
+        return slot
+
+
+_blocking = _BlockingTransfer()
+
+
+@cache
+def _cuda_transfer(device: torch.device) -> _CUDATransfer:
+    return _CUDATransfer(device)
+
+
+def _transfer_for(device: torch.device) -> _Transfer:
+    """The transfer for values that live on ``device``: non-blocking on CUDA, a plain copy elsewhere."""
+    if device.type == "cuda":
+        return _cuda_transfer(device)
+    return _blocking
+
+
+class _CopyBuffer:
+    """Copies in flight to the CPU, each folded into the state once it has landed, in the order they were put.
+
+    Args:
+        transfer: starts the copies.
+        max_pending: the most copies in flight; one more first waits for the oldest.
+
+    """
+
+    def __init__(self, transfer: _Transfer, max_pending: int = 32) -> None:
+        self._transfer = transfer
+        self._max_pending = max_pending
+        self._pending: deque[tuple[_Copy, _Fold]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def put(self, tensor: Tensor, fold: _Fold) -> None:
+        """Start copying ``tensor`` and call ``fold`` with its host copy once it has landed."""
+        self._pending.append((self._transfer.start(tensor), fold))
+        self.fold_landed()
+        while len(self._pending) > self._max_pending:
+            self._fold_oldest()
+
+    def fold_landed(self) -> None:
+        """Fold the copies that have landed, stopping at the first still in flight (order is kept)."""
+        while self._pending and self._pending[0][0].ready():
+            self._fold_oldest()
+
+    def drain(self) -> None:
+        """Wait for every copy in flight and fold it: call before any read of the state."""
+        while self._pending:
+            self._fold_oldest()
+
+    def _fold_oldest(self) -> None:
+        copy, fold = self._pending.popleft()
+        try:
+            fold(copy.wait())
+        finally:
+            copy.release()

@@ -1,0 +1,164 @@
+"""The stored result of a key logged with ``store_on_cpu=True``: Lightning's ``_ResultMetric``, kept on the CPU."""
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_store._buffer import _CopyBuffer, _transfer_for
+
+_CPU = torch.device("cpu")
+
+
+def _to_collective_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """A fresh copy of ``tensor`` on ``device``, for a collective that reduces in place."""
+    return tensor.to(device, copy=True)
+
+
+class _StoredOnCPU:
+    """Put in front of Lightning's ``_ResultMetric`` (see :func:`_stored_on_cpu_class`).
+
+    Every tensor it keeps (accumulated value, cumulated batch size, step value, computed value) lives on the CPU.
+    A logged value is copied to the CPU through a :class:`~lightning_store._buffer._CopyBuffer` and folded into the
+    state once it has landed; every read of the state drains the buffer first. A reduction across processes runs on
+    ``sync_device`` and its result comes back to the CPU. The collectives run when the value is logged and when the
+    epoch value is computed, exactly where Lightning runs them, so every rank calls them in the same order.
+    """
+
+    # attributes of Lightning's `_ResultMetric`
+    meta: Any
+    value: Tensor
+    cumulated_batch_size: Tensor
+    _computed: Any
+    _update_count: int
+
+    # set by `adopt`
+    _buffer: _CopyBuffer
+    _sync_device: torch.device
+    _step_value: Tensor | None = None
+
+    @classmethod
+    def adopt(cls, result: Any, sync_device: torch.device) -> "_StoredOnCPU":
+        """Take over a ``_ResultMetric`` that Lightning just registered and updated once, on the value's device.
+
+        Its state is copied to the CPU through the buffer like any later value, so the first step does not wait.
+        """
+        stored = cls(result.meta, True)  # type: ignore[call-arg]
+        stored._sync_device = sync_device
+        stored._buffer = _CopyBuffer(_transfer_for(result.value.device))
+        stored._buffer.put(result.value, stored._set_value)
+        if stored.meta.is_mean_reduction:
+            stored._buffer.put(result.cumulated_batch_size, stored._set_cumulated_batch_size)
+        if result._forward_cache is not None:
+            stored._buffer.put(result._forward_cache, stored._set_step_value)
+        stored._update_count = result._update_count
+        stored._computed = None
+        return stored
+
+    @property
+    def _forward_cache(self) -> Tensor | None:
+        """The step value handed to loggers and the progress bar, on the CPU."""
+        self._buffer.drain()
+        return self._step_value
+
+    @_forward_cache.setter
+    def _forward_cache(self, value: Tensor | None) -> None:
+        self._step_value = value
+
+    @property
+    def _sync_runs(self) -> bool:
+        sync = self.meta.sync
+        return bool(sync.should and not sync.rank_zero_only and sync.fn is not None)
+
+    def _synced(self, tensor: Tensor) -> Tensor:
+        """``tensor`` reduced across processes on the collective's device, or ``tensor`` itself if the key doesn't sync.
+
+        The collective reduces a fresh copy in place, so the stored state is never touched.
+        """
+        if not self._sync_runs:
+            return tensor
+        return self.meta.sync(_to_collective_device(tensor, self._sync_device))
+
+    def update(self, value: Tensor, batch_size: int) -> None:
+        value = _floating(value, self.meta)
+        self._buffer.fold_landed()
+        meta = self.meta
+        if meta.on_step:
+            self._buffer.put(self._synced(value), self._set_step_value if meta.on_epoch else self._set_step_and_value)
+            if not meta.on_epoch:
+                return
+        self._buffer.put(value, lambda landed: self._accumulate(landed, batch_size))
+
+    def _accumulate(self, value: Tensor, batch_size: int) -> None:
+        meta = self.meta
+        if meta.is_mean_reduction:
+            # the same operations, in the same order, as Lightning's `_ResultMetric.update`
+            self.value = self.value + value * batch_size
+            self.cumulated_batch_size = self.cumulated_batch_size + batch_size
+        elif meta.is_max_reduction or meta.is_min_reduction:
+            self.value = meta.reduce_fx(self.value, value)
+        elif meta.is_sum_reduction:
+            self.value = self.value + value
+
+    def _set_value(self, value: Tensor) -> None:
+        self.value = value.clone()
+
+    def _set_cumulated_batch_size(self, value: Tensor) -> None:
+        self.cumulated_batch_size = value.clone()
+
+    def _set_step_value(self, value: Tensor) -> None:
+        self._step_value = value.clone()
+
+    def _set_step_and_value(self, value: Tensor) -> None:
+        self._step_value = value.clone()
+        self.value = self._step_value
+
+    def compute(self) -> Tensor:
+        self._buffer.drain()
+        value = self._synced(self.value).to(_CPU)
+        if self.meta.is_mean_reduction:
+            return value / self._synced(self.cumulated_batch_size).to(_CPU)
+        return value.clone()
+
+    def reset(self) -> None:
+        self._buffer.drain()
+        super().reset()  # type: ignore[misc]
+
+    def to(self, *args: Any, **kwargs: Any) -> "_StoredOnCPU":
+        """Stay on the CPU: Lightning moves results to the device of each logged value, and to the CPU at teardown."""
+        self._buffer.drain()
+        return self
+
+    def __repr__(self) -> str:
+        self._buffer.drain()
+        return f"{super().__repr__()[:-1]}, stored_on='cpu')"
+
+
+_classes: dict[type, type[_StoredOnCPU]] = {}
+
+
+def _stored_on_cpu_class(result_metric_class: type) -> type[_StoredOnCPU]:
+    """``_StoredOnCPU`` combined with the ``_ResultMetric`` class of the Lightning namespace in use (made once)."""
+    if result_metric_class not in _classes:
+        name = f"_StoredOnCPU{result_metric_class.__name__}"
+        _classes[result_metric_class] = type(name, (_StoredOnCPU, result_metric_class), {})
+    return _classes[result_metric_class]
+
+
+def _floating(value: Tensor, meta: Any) -> Tensor:
+    """Lightning's conversion of a logged value to floating point, with Lightning's own warning."""
+    result_module = inspect.getmodule(type(meta))
+    dtype = result_module._get_default_dtype()  # type: ignore[union-attr]
+    if not torch.is_floating_point(value):
+        result_module.warning_cache.warn(  # type: ignore[union-attr]
+            f"You called `self.log({meta.name!r}, ...)` in your `{meta.fx}` but the value needs to"
+            f" be floating to be reduced. Converting it to {dtype}."
+            " You can silence this warning by converting the value to floating point yourself."
+            " If you don't intend to reduce the value (for instance when logging the global step or epoch) then"
+            f" you can use `self.logger.log_metrics({{{meta.name!r}: ...}})` instead."
+        )
+        value = value.to(dtype)
+    if value.dtype not in (torch.float32, torch.float64):
+        value = value.to(dtype)
+    return value

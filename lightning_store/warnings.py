@@ -1,0 +1,59 @@
+"""Warning and error classes of lightning-store, and the rank-zero helpers that emit them once."""
+
+from lightning_utilities.core.rank_zero import WarningCache
+
+__all__ = ["StoreOnCPUDeprecationWarning", "StoreOnCPUWarning", "StorePolicyError"]
+
+
+class StoreOnCPUWarning(UserWarning):
+    """Warns about a ``store_on_cpu`` request that is honoured differently than asked (a ``Metric``, say).
+
+    Example:
+        >>> import warnings
+        >>> warnings.filterwarnings("ignore", category=StoreOnCPUWarning)
+
+    """
+
+
+class StoreOnCPUDeprecationWarning(DeprecationWarning):
+    """Warns about the deprecated ``Trainer(move_metrics_to_cpu=...)`` flag.
+
+    Example:
+        >>> import warnings
+        >>> warnings.filterwarnings("error", category=StoreOnCPUDeprecationWarning)
+
+    """
+
+
+class StorePolicyError(ValueError):
+    """Raised when a logged key is given two storage policies, or one it cannot keep.
+
+    Example:
+        >>> try:
+        ...     raise StorePolicyError("'loss' was already logged with store_on_cpu=False")
+        ... except ValueError as err:
+        ...     print(err)
+        'loss' was already logged with store_on_cpu=False
+
+    """
+
+
+_cache = WarningCache()
+
+
+def _warn_once(message: str, stacklevel: int = 2) -> None:
+    """Warn once per message, on global rank zero, with :class:`StoreOnCPUWarning`.
+
+    ``stacklevel`` counts as for ``warnings.warn`` called here: 2 points at the caller of ``_warn_once``.
+    """
+    # below this function: WarningCache.warn -> rank_zero_only's wrapper -> rank_zero_warn -> _warn
+    _cache.warn(message, stacklevel=stacklevel + 4, category=StoreOnCPUWarning)
+
+
+def _deprecate_once(message: str, stacklevel: int = 2) -> None:
+    """Deprecate once per message, on global rank zero, with :class:`StoreOnCPUDeprecationWarning`.
+
+    ``stacklevel`` counts as for :func:`_warn_once`.
+    """
+    # below this function: WarningCache.deprecation -> rank_zero_deprecation -> the four frames of `_warn_once`
+    _cache.deprecation(message, stacklevel=stacklevel + 5, category=StoreOnCPUDeprecationWarning)

@@ -1,0 +1,96 @@
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _support import REDUCTIONS
+
+WORKER = Path(__file__).with_name("_ddp_worker.py")
+STEPS = 3
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """Both ranks' records of one 2-process DDP fit on gloo; the process group is killed if it hangs."""
+    out = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKER.parent.parent), env.get("PYTHONPATH")]))
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    process = subprocess.Popen(
+        [sys.executable, str(WORKER), str(out)],
+        env=env,
+        cwd=WORKER.parent,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the DDP run did not finish in {TIMEOUT_S} s:\n{output[-4000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # a rank left behind must not outlive the test
+    assert process.returncode == 0, output[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _expected(reduce_fx: str, level: str) -> float:
+    """What ``sync_dist=True`` gives: rank r logs ``10 * (r + 1) + i`` with batch size ``i + 1`` at step i."""
+    steps = range(STEPS)
+    values = [(10.0 * (rank + 1) + i, i + 1) for rank in (0, 1) for i in steps]
+    if level == "step":  # the last step's value, reduced across the two ranks
+        last = [10.0 * (rank + 1) + STEPS - 1 for rank in (0, 1)]
+        return {"mean": sum(last) / 2, "sum": sum(last), "max": max(last), "min": min(last)}[reduce_fx]
+    return {
+        "mean": sum(v * n for v, n in values) / sum(n for _, n in values),
+        "sum": sum(v for v, _ in values),
+        "max": max(v for v, _ in values),
+        "min": min(v for v, _ in values),
+    }[reduce_fx]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", ["train", "val"])
+@pytest.mark.parametrize("reduce_fx", REDUCTIONS)
+def test_sync_dist_reduces_cpu_stored_values_across_processes(ddp_run, stage, reduce_fx):
+    for rank, seen in enumerate(ddp_run):
+        metrics = {**seen["logged"], **seen["callback_metrics"]}
+        checks = {
+            f"{stage}_{reduce_fx}_10": _expected(reduce_fx, "step"),
+            f"{stage}_{reduce_fx}_11_step": _expected(reduce_fx, "step"),
+            f"{stage}_{reduce_fx}_01": _expected(reduce_fx, "epoch"),
+            f"{stage}_{reduce_fx}_11_epoch": _expected(reduce_fx, "epoch"),
+        }
+        for name, expected in checks.items():
+            assert metrics[f"cpu_{name}"] == pytest.approx(expected, rel=1e-6), (rank, name)
+            assert metrics[f"cpu_{name}"] == metrics[f"dev_{name}"], (rank, name)  # the same as Lightning's own
+            if f"cpu_{name}" in seen["devices"]:
+                assert seen["devices"][f"cpu_{name}"] == "cpu"
+
+
+@pytest.mark.distributed
+def test_every_cpu_stored_key_kept_its_state_on_the_cpu_on_every_rank(ddp_run):
+    for seen in ddp_run:
+        cpu_keys = sorted(key for key in seen["storage"] if key.split(".")[1].startswith("cpu_"))
+        assert len(cpu_keys) == len(REDUCTIONS) * 3
+        assert seen["stored_keys"] == cpu_keys
+        for key in cpu_keys:
+            class_name, devices = seen["storage"][key]
+            assert class_name.startswith("_StoredOnCPU") and devices and set(devices) == {"cpu"}, key

@@ -1,0 +1,353 @@
+import math
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torchmetrics
+from _support import LoggingModel, RecordingLogger, assert_same, loader, stored_tensors
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, StorePolicyError
+from lightning_store._result import _StoredOnCPU
+
+result_module = pytest.importorskip("pytorch_lightning.trainer.connectors.logger_connector.result")
+
+
+def _all_results(trainer):
+    loops = (
+        trainer.fit_loop.epoch_loop,
+        trainer.fit_loop.epoch_loop.val_loop,
+        trainer.validate_loop,
+        trainer.test_loop,
+    )
+    for loop in loops:
+        yield from loop._results.items()
+
+
+def _run_everything(store_on_cpu, explicit_batch_size, trainer_kwargs):
+    torch.manual_seed(0)
+    model = LoggingModel(store_on_cpu=store_on_cpu, explicit_batch_size=explicit_batch_size)
+    recorder = RecordingLogger()
+    trainer = pl.Trainer(**{**trainer_kwargs, "logger": recorder}, max_epochs=2, log_every_n_steps=1)
+    val_loaders = [loader(seed=1), loader(n=7, seed=2)]
+    trainer.fit(model, loader(), val_loaders)
+    seen = {
+        "fit_callback": dict(trainer.callback_metrics),
+        "fit_logged": dict(trainer.logged_metrics),
+        "fit_pbar": dict(trainer.progress_bar_metrics),
+    }
+    validated = trainer.validate(model, val_loaders, verbose=False)
+    tested = trainer.test(model, [loader(seed=3), loader(n=5, seed=4)], verbose=False)
+    seen["validate"] = {f"{i}/{k}": v for i, d in enumerate(validated) for k, v in d.items()}
+    seen["test"] = {f"{i}/{k}": v for i, d in enumerate(tested) for k, v in d.items()}
+    seen["callback"] = dict(trainer.callback_metrics)
+    seen["history"] = {f"{n}:{step}:{k}": v for n, (step, d) in enumerate(recorder.history) for k, v in d.items()}
+    return trainer, model, seen
+
+
+@pytest.mark.parametrize("explicit_batch_size", [False, True], ids=["inferred_batch_size", "explicit_batch_size"])
+def test_values_are_those_lightning_gives_bit_for_bit(explicit_batch_size, quiet_trainer_kwargs):
+    _, _, on_device = _run_everything(False, explicit_batch_size, quiet_trainer_kwargs)
+    trainer, model, on_cpu = _run_everything(True, explicit_batch_size, quiet_trainer_kwargs)
+    for what in on_device:
+        assert on_device[what], what
+        assert_same(on_device[what], on_cpu[what])
+    # the check after every call saw keys of every loop, every reduction, and both dataloaders
+    assert {"training_step.train_sum_11", "validation_step.val_min_10.1", "test_step.test_num_max_01.0"} <= (
+        model.checked_keys
+    )
+    tensor_results = [(key, result) for key, result in _all_results(trainer) if result.is_tensor]
+    assert len(tensor_results) == 25 + 3 * 2 * 25  # training (1 loader); fit validation, validate, test (2 each)
+    for key, result in tensor_results:
+        assert isinstance(result, _StoredOnCPU), key
+        assert all(t.device.type == "cpu" for t in stored_tensors(result)), key
+
+
+def test_store_on_cpu_false_keeps_lightning_storage(quiet_trainer_kwargs):
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    trainer.fit(LoggingModel(store_on_cpu=False), loader())
+    assert not any(isinstance(result, _StoredOnCPU) for _, result in _all_results(trainer))
+
+
+class _DefaultOnModule(LoggingModel):
+    store_on_cpu_default = True
+
+
+def test_module_default_applies_to_calls_without_store_on_cpu(quiet_trainer_kwargs):
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    model = _DefaultOnModule(store_on_cpu=None)
+    model.check_storage = False
+    trainer.fit(model, loader())
+    results = dict(trainer.fit_loop.epoch_loop._results)
+    assert results and all(isinstance(result, _StoredOnCPU) for result in results.values())
+
+
+def test_explicit_false_overrides_module_default(quiet_trainer_kwargs):
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    trainer.fit(_DefaultOnModule(store_on_cpu=False), loader())
+    assert not any(isinstance(result, _StoredOnCPU) for _, result in _all_results(trainer))
+
+
+class _OneKeyModel(StoreOnCPUMixin, pl.LightningModule):
+    """Logs ``self.value_fn(batch, batch_idx)`` as ``"x"`` with ``self.log_kwargs``; trains a tiny layer."""
+
+    def __init__(self, value_fn, **log_kwargs):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.value_fn = value_fn
+        self.log_kwargs = log_kwargs
+
+    def training_step(self, batch, batch_idx):
+        self.log("x", self.value_fn(batch, batch_idx), **self.log_kwargs)
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _fit_one_key(trainer_kwargs, value_fn, **log_kwargs):
+    trainer = pl.Trainer(**trainer_kwargs, max_epochs=1)
+    trainer.fit(_OneKeyModel(value_fn, **log_kwargs), loader())
+    return trainer
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, torch.tensor(True), 1.0])
+def test_store_on_cpu_must_be_bool_or_none(bad, quiet_trainer_kwargs):
+    expected = f"Expected store_on_cpu to be a bool or None, got {bad!r} ({type(bad).__name__})."
+    with pytest.raises(TypeError, match=expected.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        _fit_one_key(quiet_trainer_kwargs, lambda b, i: 1.0, store_on_cpu=bad)
+
+
+def test_log_dict_store_on_cpu_must_be_bool_or_none(quiet_trainer_kwargs):
+    class Model(_OneKeyModel):
+        def training_step(self, batch, batch_idx):
+            self.log_dict({"a": 1.0}, store_on_cpu="no")
+            return self.layer(batch[0]).sum()
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.raises(TypeError, match=r"Expected store_on_cpu to be a bool or None, got 'no' \(str\)"):
+        trainer.fit(Model(None), loader())
+
+
+def test_module_default_must_be_bool_or_none(quiet_trainer_kwargs):
+    class Model(_OneKeyModel):
+        store_on_cpu_default = "always"
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.raises(TypeError, match=r"Expected Model.store_on_cpu_default to be a bool or None, got 'always'"):
+        trainer.fit(Model(lambda b, i: 1.0), loader())
+
+
+def test_same_key_with_two_policies_is_an_error(quiet_trainer_kwargs):
+    class Model(_OneKeyModel):
+        def training_step(self, batch, batch_idx):
+            self.log("loss", 1.0, store_on_cpu=True)
+            self.log("loss", 2.0, store_on_cpu=False)
+            return self.layer(batch[0]).sum()
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.raises(
+        StorePolicyError,
+        match=r"You called `self.log\('loss', ..., store_on_cpu=False\)` in `training_step` but 'loss' was logged"
+        r" there before with store_on_cpu=True",
+    ):
+        trainer.fit(Model(None), loader())
+
+
+def test_enable_graph_stores_a_detached_cpu_copy(quiet_trainer_kwargs):
+    """Lightning 2.x detaches every logged tensor, so no graph is kept on either storage."""
+
+    class Model(_OneKeyModel):
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).sum()
+            self.log("graph", loss, enable_graph=True, on_step=True, on_epoch=True, store_on_cpu=self.store)
+            result = self.trainer._results["training_step.graph"]
+            self.seen.append((result._forward_cache, result.value))
+            return loss
+
+    def fit(store_on_cpu):
+        torch.manual_seed(0)
+        model = Model(None)
+        model.store, model.seen = store_on_cpu, []
+        trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+        trainer.fit(model, loader())
+        return trainer, model.seen
+
+    plain, plain_seen = fit(False)
+    stored, stored_seen = fit(True)
+    assert isinstance(stored.fit_loop.epoch_loop._results["training_step.graph"], _StoredOnCPU)
+    assert_same(dict(plain.callback_metrics), dict(stored.callback_metrics))
+    for step_value, value in plain_seen + stored_seen:
+        assert step_value.grad_fn is None and value.grad_fn is None
+
+
+class _MetricModel(StoreOnCPUMixin, pl.LightningModule):
+    def __init__(self, **log_kwargs):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.metric = torchmetrics.SumMetric()
+        self.log_kwargs = log_kwargs
+
+    def training_step(self, batch, batch_idx):
+        self.metric(batch[0].sum())
+        self.log("metric", self.metric, on_step=False, on_epoch=True, **self.log_kwargs)
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_metric_with_store_on_cpu_warns_and_is_logged_as_usual(quiet_trainer_kwargs):
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    model = _MetricModel(store_on_cpu=True)
+    with pytest.warns(StoreOnCPUWarning) as record:
+        trainer.fit(model, loader())
+    messages = [str(w.message) for w in record if issubclass(w.category, StoreOnCPUWarning)]
+    assert len(messages) == 1  # once per key, although logged every step
+    assert [w.filename for w in record if issubclass(w.category, StoreOnCPUWarning)] == [__file__]
+    assert (
+        "a `torchmetrics.Metric` keeps its state on its own device, so it is logged as usual and not moved"
+        in (messages[0])
+    )
+    assert "HINT: drop `store_on_cpu` for Metrics, or log the tensor it computes" in messages[0]
+    result = trainer.fit_loop.epoch_loop._results["training_step.metric"]
+    assert not isinstance(result, _StoredOnCPU) and result.value is model.metric
+    plain = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    plain.fit(_MetricModel(), loader())
+    assert torch.equal(trainer.callback_metrics["metric"], plain.callback_metrics["metric"])
+
+
+def test_metric_under_module_default_gets_no_warning(quiet_trainer_kwargs, recwarn):
+    class Model(_MetricModel):
+        store_on_cpu_default = True
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    trainer.fit(Model(), loader())
+    assert not [w for w in recwarn if issubclass(w.category, StoreOnCPUWarning)]
+    assert "metric" in trainer.callback_metrics
+
+
+def test_log_dict_applies_store_on_cpu_to_every_value(quiet_trainer_kwargs):
+    class Model(_OneKeyModel):
+        def training_step(self, batch, batch_idx):
+            self.log_dict({"a": batch[0].sum(), "b": 2.0}, store_on_cpu=True, on_epoch=True)
+            self.log("c", 3.0)
+            return self.layer(batch[0]).sum()
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    trainer.fit(Model(None), loader())
+    results = trainer.fit_loop.epoch_loop._results
+    assert isinstance(results["training_step.a"], _StoredOnCPU)
+    assert isinstance(results["training_step.b"], _StoredOnCPU)
+    assert not isinstance(results["training_step.c"], _StoredOnCPU)
+    assert trainer.callback_metrics["b_epoch"].item() == 2.0
+
+
+def test_log_dict_metric_collection_warns_per_metric(quiet_trainer_kwargs):
+    class Model(_OneKeyModel):
+        def __init__(self):
+            super().__init__(None)
+            self.metrics = torchmetrics.MetricCollection({"s": torchmetrics.SumMetric(), "m": torchmetrics.MaxMetric()})
+
+        def training_step(self, batch, batch_idx):
+            self.metrics(batch[0].sum())
+            self.log_dict(self.metrics, store_on_cpu=True)
+            return self.layer(batch[0]).sum()
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.warns(StoreOnCPUWarning) as record:
+        trainer.fit(Model(), loader())
+    warned = sorted(str(w.message).split("'")[1] for w in record if issubclass(w.category, StoreOnCPUWarning))
+    assert warned == ["m", "s"]
+
+
+def test_monitor_works_for_checkpoint_and_early_stopping(tmp_path, quiet_trainer_kwargs):
+    def fit(store_on_cpu):
+        torch.manual_seed(0)
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / str(store_on_cpu), monitor="val_loss", mode="min")
+        stopping = EarlyStopping(monitor="val_mean_01", mode="max", patience=1, min_delta=10.0)
+        kwargs = {**quiet_trainer_kwargs, "enable_checkpointing": True}
+        trainer = pl.Trainer(**kwargs, max_epochs=6, callbacks=[checkpoint, stopping])
+        trainer.fit(LoggingModel(store_on_cpu=store_on_cpu), loader(), loader(seed=1))
+        return trainer, checkpoint, stopping
+
+    trainer_a, checkpoint_a, stopping_a = fit(False)
+    trainer_b, checkpoint_b, stopping_b = fit(True)
+    assert checkpoint_b.best_model_score is not None
+    assert checkpoint_b.best_model_score.device.type == "cpu"
+    assert torch.equal(checkpoint_a.best_model_score, checkpoint_b.best_model_score)
+    assert stopping_b.stopped_epoch == stopping_a.stopped_epoch > 0
+    assert trainer_b.current_epoch == trainer_a.current_epoch < 6
+
+
+@pytest.mark.parametrize(
+    ("value_fn", "expected"),
+    [
+        (lambda b, i: torch.tensor(float("nan")), math.nan),
+        (lambda b, i: torch.tensor(float("inf")), math.inf),
+        (lambda b, i: torch.tensor(-float("inf")), -math.inf),
+        (lambda b, i: torch.tensor(i), 0.8),  # int tensor: mean of 0, 1, 2 weighted by 4, 4, 2
+        (lambda b, i: torch.tensor(i % 2 == 0), 0.6),  # bool tensor
+        (lambda b, i: torch.tensor(2.0, dtype=torch.float16), 2.0),
+        (lambda b, i: torch.tensor(2.0, dtype=torch.float64), 2.0),
+        (lambda b, i: torch.tensor([[3.0]], requires_grad=True) * 1, 3.0),  # one element, needs grad
+    ],
+    ids=["nan", "inf", "-inf", "int", "bool", "float16", "float64", "requires_grad"],
+)
+def test_special_values_are_stored_as_lightning_stores_them(value_fn, expected, quiet_trainer_kwargs):
+    def fit(store_on_cpu):
+        return _fit_one_key(quiet_trainer_kwargs, value_fn, on_step=False, on_epoch=True, store_on_cpu=store_on_cpu)
+
+    plain, stored = fit(False), fit(True)
+    assert_same(dict(plain.callback_metrics), dict(stored.callback_metrics))
+    value = stored.callback_metrics["x"]
+    assert value.grad_fn is None and value.device.type == "cpu"
+    if math.isnan(expected):
+        assert value.isnan()
+    else:
+        assert value.item() == pytest.approx(expected)
+
+
+def test_int_tensor_keeps_lightnings_warning(quiet_trainer_kwargs):
+    result_module.warning_cache.clear()
+    with pytest.warns(UserWarning, match=r"You called `self.log\('x', ...\)` in your `training_step` but the value"):
+        _fit_one_key(quiet_trainer_kwargs, lambda b, i: torch.tensor(i), store_on_cpu=True)
+
+
+def test_non_scalar_tensor_keeps_lightnings_error(quiet_trainer_kwargs):
+    with pytest.raises(ValueError, match="the tensor must have a single element"):
+        _fit_one_key(quiet_trainer_kwargs, lambda b, i: torch.ones(2), store_on_cpu=True)
+
+
+def test_logging_without_trainer_keeps_lightnings_warning():
+    model = _OneKeyModel(None)
+    with pytest.warns(UserWarning, match="the `self.trainer` reference is not registered"):
+        model.log("x", 1.0, store_on_cpu=True)
+
+
+def test_logging_from_predict_step_keeps_lightnings_error(quiet_trainer_kwargs):
+    class Model(_OneKeyModel):
+        def predict_step(self, batch, batch_idx):
+            self.log("p", 1.0, store_on_cpu=True)
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs)
+    with pytest.raises(MisconfigurationException, match="you are trying to log in a `predict` hook"):
+        trainer.predict(Model(None), loader())
+
+
+def test_rank_zero_only_and_sync_dist_keep_their_meaning(quiet_trainer_kwargs):
+    class Model(_OneKeyModel):
+        def training_step(self, batch, batch_idx):
+            self.log("r", 1.0, rank_zero_only=True, sync_dist=True, store_on_cpu=True)
+            self.log("s", 2.0, sync_dist=True, store_on_cpu=True)
+            return self.layer(batch[0]).sum()
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    trainer.fit(Model(None), loader())
+    results = trainer.fit_loop.epoch_loop._results
+    assert results["training_step.r"].meta.sync.rank_zero_only
+    assert not results["training_step.r"]._sync_runs
+    # one process: Lightning turns `sync_dist` off, and so it stays
+    assert not results["training_step.s"]._sync_runs
+    assert trainer.callback_metrics["s"].item() == 2.0

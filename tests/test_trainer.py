@@ -1,0 +1,141 @@
+import inspect
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from _support import LoggingModel, loader
+
+from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, StoreOnCPUWarning, Trainer
+from lightning_store._result import _StoredOnCPU
+
+
+def _stored(trainer):
+    results = trainer.fit_loop.epoch_loop._results
+    return {key.split(".", 1)[1] for key, result in results.items() if isinstance(result, _StoredOnCPU)}
+
+
+def test_flag_warns_once_that_it_is_deprecated_and_names_the_replacement(quiet_trainer_kwargs):
+    with pytest.warns(StoreOnCPUDeprecationWarning, match=r"Use `self.log\(..., store_on_cpu=True\)`") as record:
+        Trainer(move_metrics_to_cpu=True, **quiet_trainer_kwargs)
+        Trainer(move_metrics_to_cpu=True, **quiet_trainer_kwargs)
+    assert len([w for w in record if issubclass(w.category, StoreOnCPUDeprecationWarning)]) == 1
+    assert issubclass(StoreOnCPUDeprecationWarning, DeprecationWarning)
+    assert record[0].filename == __file__  # points at the user's line
+
+
+def test_flag_off_does_not_warn(quiet_trainer_kwargs, recwarn):
+    trainer = Trainer(move_metrics_to_cpu=False, **quiet_trainer_kwargs)
+    assert trainer.move_metrics_to_cpu is False
+    assert not [w for w in recwarn if issubclass(w.category, StoreOnCPUDeprecationWarning)]
+
+
+@pytest.mark.parametrize("bad", [1, "true", None])
+def test_flag_must_be_a_bool(bad, quiet_trainer_kwargs):
+    with pytest.raises(
+        TypeError, match=rf"Expected move_metrics_to_cpu to be a bool, got {bad!r} \({type(bad).__name__}\)"
+    ):
+        Trainer(move_metrics_to_cpu=bad, **quiet_trainer_kwargs)
+
+
+def _fit(trainer_kwargs, model, **flag):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StoreOnCPUDeprecationWarning)
+        trainer = Trainer(**trainer_kwargs, max_epochs=1, **flag)
+    trainer.fit(model, loader())
+    return trainer
+
+
+def test_flag_makes_store_on_cpu_default_to_true(quiet_trainer_kwargs):
+    trainer = _fit(quiet_trainer_kwargs, LoggingModel(store_on_cpu=None), move_metrics_to_cpu=True)
+    assert "train_loss" in _stored(trainer) and len(_stored(trainer)) == 25
+
+
+def test_explicit_store_on_cpu_and_module_default_win_over_the_flag(quiet_trainer_kwargs):
+    assert not _stored(_fit(quiet_trainer_kwargs, LoggingModel(store_on_cpu=False), move_metrics_to_cpu=True))
+
+    class ModuleSaysNo(LoggingModel):
+        store_on_cpu_default = False
+
+    assert not _stored(_fit(quiet_trainer_kwargs, ModuleSaysNo(store_on_cpu=None), move_metrics_to_cpu=True))
+
+
+def test_without_the_flag_nothing_is_stored_on_cpu(quiet_trainer_kwargs):
+    assert not _stored(_fit(quiet_trainer_kwargs, LoggingModel(store_on_cpu=None)))
+
+
+def test_flag_on_a_module_without_the_mixin_warns_that_it_has_no_effect(quiet_trainer_kwargs):
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).sum()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    with pytest.warns(StoreOnCPUWarning, match=r"has no effect on `Plain`: it only sets the default of `store_on_cpu`"):
+        trainer = _fit(quiet_trainer_kwargs, Plain(), move_metrics_to_cpu=True)
+    assert "loss" in trainer.callback_metrics
+
+
+def test_flag_on_a_metric_gets_no_metric_warning(quiet_trainer_kwargs, recwarn):
+    import torchmetrics
+
+    class WithMetric(StoreOnCPUMixin, pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+            self.metric = torchmetrics.MeanMetric()
+
+        def training_step(self, batch, batch_idx):
+            self.metric(batch[0].mean())
+            self.log("metric", self.metric)
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = _fit(quiet_trainer_kwargs, WithMetric(), move_metrics_to_cpu=True)
+    assert not [w for w in recwarn if issubclass(w.category, StoreOnCPUWarning)]
+    assert not _stored(trainer) and "metric" in trainer.callback_metrics
+
+
+def test_signature_is_the_lightning_trainers_plus_the_flag():
+    ours, base = inspect.signature(Trainer).parameters, inspect.signature(pl.Trainer).parameters
+    assert list(ours) == [*base, "move_metrics_to_cpu"]
+    assert ours["move_metrics_to_cpu"].default is False
+
+
+def test_positional_arguments_are_taken_as_by_lightning():
+    ours, base = Trainer("cpu", "auto", 1, logger=False), pl.Trainer("cpu", "auto", 1, logger=False)
+    assert type(ours.accelerator) is type(base.accelerator)
+    assert ours.strategy.root_device == base.strategy.root_device
+
+
+def test_environment_defaults_apply_to_lightnings_arguments_and_the_flag(monkeypatch, quiet_trainer_kwargs):
+    monkeypatch.setenv("PL_TRAINER_MAX_EPOCHS", "7")
+    monkeypatch.setenv("PL_TRAINER_MOVE_METRICS_TO_CPU", "True")
+    with pytest.warns(StoreOnCPUDeprecationWarning):
+        trainer = Trainer(**quiet_trainer_kwargs)
+    assert trainer.max_epochs == 7
+    assert trainer.move_metrics_to_cpu is True
+
+
+def test_lightning_cli_accepts_the_flag(tmp_path):
+    cli_module = pytest.importorskip("pytorch_lightning.cli")
+
+    args = [
+        "--trainer.move_metrics_to_cpu=true",
+        "--trainer.max_epochs=2",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    with pytest.warns(StoreOnCPUDeprecationWarning):
+        cli = cli_module.LightningCLI(LoggingModel, trainer_class=Trainer, run=False, args=args)
+    assert isinstance(cli.trainer, Trainer)
+    assert cli.trainer.move_metrics_to_cpu is True and cli.trainer.max_epochs == 2
