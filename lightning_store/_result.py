@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from lightning_store._buffer import _CopyBuffer, _transfer_for
+from lightning_store._compat import _check_lightning_version
 
 _CPU = torch.device("cpu")
 
@@ -68,8 +69,7 @@ class _StoredOnCPU:
 
     @property
     def _sync_runs(self) -> bool:
-        sync = self.meta.sync
-        return bool(sync.should and not sync.rank_zero_only and sync.fn is not None)
+        return _syncs(self.meta.sync)
 
     def _synced(self, tensor: Tensor) -> Tensor:
         """``tensor`` reduced across processes on the collective's device, or ``tensor`` itself if the key doesn't sync.
@@ -141,9 +141,16 @@ _classes: dict[type, type[_StoredOnCPU]] = {}
 def _stored_on_cpu_class(result_metric_class: type) -> type[_StoredOnCPU]:
     """``_StoredOnCPU`` combined with the ``_ResultMetric`` class of the Lightning namespace in use (made once)."""
     if result_metric_class not in _classes:
+        if result_metric_class.__module__.startswith("lightning."):
+            _check_lightning_version("lightning")
         name = f"_StoredOnCPU{result_metric_class.__name__}"
         _classes[result_metric_class] = type(name, (_StoredOnCPU, result_metric_class), {})
     return _classes[result_metric_class]
+
+
+def _syncs(sync: Any) -> bool:
+    """Whether Lightning's ``_Sync`` calls its collective (it doesn't for ``rank_zero_only`` or one process)."""
+    return bool(sync.should and not sync.rank_zero_only and sync.fn is not None)
 
 
 def _floating(value: Tensor, meta: Any) -> Tensor:

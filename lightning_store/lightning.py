@@ -1,0 +1,44 @@
+"""lightning-store for the ``lightning.pytorch`` namespace (package ``lightning``): its ``Trainer`` with the flag.
+
+``StoreOnCPUMixin`` works with a LightningModule of either namespace; it is re-exported here for convenience.
+"""
+
+from lightning_store._compat import _check_lightning_version
+
+try:
+    import lightning.pytorch as _lightning_pytorch
+except ImportError as err:
+    raise ImportError(
+        "`lightning_store.lightning` is for the `lightning` package, which is not installed."
+        " HINT: pip install lightning, or use `lightning_store.Trainer` with `pytorch_lightning`."
+    ) from err
+
+from lightning_store._flag import _init_with_flag, _MoveMetricsToCPUFlag
+from lightning_store.mixin import StoreOnCPUMixin
+
+_check_lightning_version("lightning")
+
+__all__ = ["StoreOnCPUMixin", "Trainer"]
+
+
+class Trainer(_MoveMetricsToCPUFlag, _lightning_pytorch.Trainer):
+    """``lightning.pytorch.Trainer`` plus ``move_metrics_to_cpu``, removed from Lightning in 2.0.
+
+    The same as :class:`lightning_store.Trainer`, for modules that subclass ``lightning.pytorch.LightningModule``.
+
+    Args:
+        *args: as for ``lightning.pytorch.Trainer``.
+        move_metrics_to_cpu: deprecated. ``True`` makes ``store_on_cpu`` default to True for the tensors and
+            numbers that :class:`~lightning_store.StoreOnCPUMixin` modules log, with a deprecation warning.
+        **kwargs: as for ``lightning.pytorch.Trainer``.
+
+    Raises:
+        TypeError: if ``move_metrics_to_cpu`` is not a bool.
+
+    Example:
+        >>> trainer = Trainer(move_metrics_to_cpu=False, max_epochs=1, logger=False)
+        >>> isinstance(trainer, _lightning_pytorch.Trainer)
+        True
+    """
+
+    __init__ = _init_with_flag(_lightning_pytorch.Trainer)

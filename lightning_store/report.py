@@ -1,0 +1,144 @@
+"""See where logged values live: one row per key Lightning keeps, with its device, bytes, reduction and sync."""
+
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from lightning_store._result import _StoredOnCPU, _syncs
+
+__all__ = ["KeyStorage", "format_storage_report", "storage_report"]
+
+
+@dataclass(frozen=True)
+class KeyStorage:
+    """Where Lightning keeps one logged key, and how much it holds there.
+
+    Attributes:
+        loop: ``"train"``, ``"fit_validation"``, ``"validate"`` or ``"test"``.
+        hook: the hook that logged it, such as ``"training_step"``.
+        name: the name given to ``self.log``.
+        dataloader_idx: the dataloader it was logged for, if there are several.
+        kind: ``"tensor"`` (tensors and numbers) or the class name of a logged ``Metric``.
+        store_on_cpu: whether the key is stored on the CPU by ``store_on_cpu``.
+        device: where its tensors are now (``"cpu"``, ``"cuda:0"``...); ``"-"`` before any is kept.
+        bytes: the bytes its tensors hold there.
+        reduce_fx: the reduction over steps (``"mean"``, ``"sum"``...), or ``"compute"`` for a ``Metric``.
+        sync_dist: whether it is reduced across processes.
+
+    Example:
+        >>> KeyStorage("train", "training_step", "loss", None, "tensor", True, "cpu", 16, "mean", False).device
+        'cpu'
+
+    """
+
+    loop: str
+    hook: str
+    name: str
+    dataloader_idx: int | None
+    kind: str
+    store_on_cpu: bool
+    device: str
+    bytes: int
+    reduce_fx: str
+    sync_dist: bool
+
+
+def storage_report(trainer: Any) -> list[KeyStorage]:
+    """One row per key that ``trainer`` keeps logged state for, in every loop that has logged.
+
+    Call it while the Trainer runs (from a callback, say) to see where values live during training: when a loop
+    ends, Lightning moves all of its logged state to the CPU, whatever the policy.
+
+    Args:
+        trainer: a ``Trainer`` of either Lightning namespace, fitted or running.
+
+    Returns:
+        The rows, loop by loop, in the order the keys were first logged.
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> storage_report(pl.Trainer(logger=False))
+        []
+
+    """
+    return [_row(loop, result) for loop, results in _loops(trainer) for result in results.values()]
+
+
+def format_storage_report(rows: Iterable[KeyStorage]) -> str:
+    """A plain-text table of ``rows``, one line per key, for a terminal or a bug report.
+
+    Args:
+        rows: what :func:`storage_report` returned.
+
+    Returns:
+        The table, with a header line.
+
+    Example:
+        >>> print(format_storage_report([]))
+        loop  hook  name  dataloader_idx  kind  store_on_cpu  device  bytes  reduce_fx  sync_dist
+
+    """
+    header = [field.name for field in fields(KeyStorage)]
+    lines = [header] + [["-" if v is None else str(v) for v in asdict(row).values()] for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    rendered = ("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in lines)
+    return "\n".join(line.rstrip() for line in rendered)
+
+
+def _loops(trainer: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    epoch_loop = trainer.fit_loop.epoch_loop
+    loops = {
+        "train": epoch_loop,
+        "fit_validation": epoch_loop.val_loop,
+        "validate": trainer.validate_loop,
+        "test": trainer.test_loop,
+    }
+    for name, loop in loops.items():
+        results = getattr(loop, "_results", None)
+        if results:
+            yield name, results
+
+
+def _row(loop: str, result: Any) -> KeyStorage:
+    meta = result.meta
+    tensors = list(_held_tensors(result))
+    devices = sorted({str(t.device) for t in tensors})
+    return KeyStorage(
+        loop=loop,
+        hook=meta.fx.split(".")[0],
+        name=meta.name,
+        dataloader_idx=meta.dataloader_idx,
+        kind="tensor" if result.is_tensor else type(result.value).__name__,
+        store_on_cpu=isinstance(result, _StoredOnCPU),
+        device=",".join(devices) or "-",
+        bytes=sum(t.numel() * t.element_size() for t in tensors),
+        reduce_fx=meta.reduce_fx.__name__ if result.is_tensor else "compute",
+        sync_dist=_syncs(meta.sync) if result.is_tensor else _metric_syncs(result.value),
+    )
+
+
+def _metric_syncs(metric: Metric) -> bool:
+    """Whether a ``Metric`` reduces across processes when computed: it does by itself, once distributed."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return bool(distributed and getattr(metric, "sync_on_compute", True))
+
+
+def _held_tensors(result: Any) -> Iterator[Tensor]:
+    """The distinct tensors a ``_ResultMetric`` keeps: its states, step value and computed value, or a Metric's."""
+    if result.is_tensor:
+        candidates: list[Any] = [result.value, getattr(result, "cumulated_batch_size", None)]
+        candidates += [result._forward_cache, result._computed]
+    else:
+        metric: Metric = result.value
+        candidates = [metric._forward_cache, metric._computed]
+        for state in metric.metric_state.values():
+            candidates.extend(state if isinstance(state, list) else [state])
+    seen: set[int] = set()
+    for tensor in candidates:
+        if isinstance(tensor, Tensor) and id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor
