@@ -32,7 +32,7 @@ class _Transfer(Protocol):
 
 
 class _Landed:
-    """A copy that is already on the CPU."""
+    """A copy that is already on the CPU: a value from another device than the transfer's."""
 
     __slots__ = ("_tensor",)
 
@@ -47,13 +47,6 @@ class _Landed:
 
     def release(self) -> None:
         pass
-
-
-class _BlockingTransfer:
-    """The simple path for CPU, MPS, XLA and any other device: a plain ``.to("cpu")``."""
-
-    def start(self, tensor: Tensor) -> _Copy:
-        return _Landed(tensor.to("cpu"))
 
 
 class _Slot:
@@ -107,31 +100,28 @@ class _CUDATransfer:
         return slot
 
 
-_blocking = _BlockingTransfer()
-
-
 @cache
 def _cuda_transfer(device: torch.device) -> _CUDATransfer:
     return _CUDATransfer(device)
 
 
-def _transfer_for(device: torch.device) -> _Transfer:
-    """The transfer for values that live on ``device``: non-blocking on CUDA, a plain copy elsewhere."""
+def _transfer_for(device: torch.device) -> _Transfer | None:
+    """The transfer for values that live on ``device``: non-blocking on CUDA; elsewhere none, a plain copy."""
     if device.type == "cuda":
         return _cuda_transfer(device)
-    return _blocking
+    return None
 
 
 class _CopyBuffer:
     """Copies in flight to the CPU, each folded into the state once it has landed, in the order they were put.
 
     Args:
-        transfer: starts the copies.
+        transfer: starts the copies; ``None`` copies with a plain ``.to("cpu")`` and folds at once (CPU, MPS, XLA).
         max_pending: the most copies in flight; one more first waits for the oldest.
 
     """
 
-    def __init__(self, transfer: _Transfer, max_pending: int = 32) -> None:
+    def __init__(self, transfer: _Transfer | None, max_pending: int = 32) -> None:
         self._transfer = transfer
         self._max_pending = max_pending
         self._pending: deque[tuple[_Copy, _Fold]] = deque()
@@ -141,6 +131,9 @@ class _CopyBuffer:
 
     def put(self, tensor: Tensor, fold: _Fold) -> None:
         """Start copying ``tensor`` and call ``fold`` with its host copy once it has landed."""
+        if self._transfer is None:
+            fold(tensor if tensor.is_cpu else tensor.to("cpu"))
+            return
         self._pending.append((self._transfer.start(tensor), fold))
         self.fold_landed()
         while len(self._pending) > self._max_pending:

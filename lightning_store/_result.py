@@ -1,6 +1,7 @@
 """The stored result of a key logged with ``store_on_cpu=True``: Lightning's ``_ResultMetric``, kept on the CPU."""
 
-import inspect
+import sys
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -8,8 +9,20 @@ from torch import Tensor
 
 from lightning_store._buffer import _CopyBuffer, _transfer_for
 from lightning_store._compat import _check_lightning_version
+from lightning_store.warnings import StorePolicyError
 
 _CPU = torch.device("cpu")
+
+# set by `StoreOnCPUMixin.log` while Lightning handles a call with `store_on_cpu=True`
+_storing_on_cpu: ContextVar[bool] = ContextVar("lightning_store_storing_on_cpu", default=False)
+
+
+def _policy_changed(name: str, fx: str, now: bool) -> StorePolicyError:
+    return StorePolicyError(
+        f"You called `self.log({name!r}, ..., store_on_cpu={now})` in `{fx}` but {name!r} was logged there"
+        f" before with store_on_cpu={not now}. A key keeps one storage policy."
+        f" HINT: pass the same `store_on_cpu` on every call that logs {name!r}."
+    )
 
 
 def _to_collective_device(tensor: Tensor, device: torch.device) -> Tensor:
@@ -41,13 +54,21 @@ class _StoredOnCPU:
 
     @classmethod
     def adopt(cls, result: Any, sync_device: torch.device) -> "_StoredOnCPU":
-        """Take over a ``_ResultMetric`` that Lightning just registered and updated once, on the value's device.
+        """Take over a ``_ResultMetric`` that Lightning just registered and updated once, on ``sync_device``.
 
         Its state is copied to the CPU through the buffer like any later value, so the first step does not wait.
+
+        Args:
+            result: Lightning's result for the key.
+            sync_device: the device of the strategy (``trainer.strategy.root_device``), where collectives run and
+                where logged values come from.
+
+        Returns:
+            The result that replaces ``result`` in Lightning's result collection.
         """
         stored = cls(result.meta, True)  # type: ignore[call-arg]
         stored._sync_device = sync_device
-        stored._buffer = _CopyBuffer(_transfer_for(result.value.device))
+        stored._buffer = _CopyBuffer(_transfer_for(sync_device))
         stored._buffer.put(result.value, stored._set_value)
         if stored.meta.is_mean_reduction:
             stored._buffer.put(result.cumulated_batch_size, stored._set_cumulated_batch_size)
@@ -81,14 +102,19 @@ class _StoredOnCPU:
         return self.meta.sync(_to_collective_device(tensor, self._sync_device))
 
     def update(self, value: Tensor, batch_size: int) -> None:
+        if not _storing_on_cpu.get():
+            raise _policy_changed(self.meta.name, self.meta.fx.split(".")[0], now=False)
         value = _floating(value, self.meta)
-        self._buffer.fold_landed()
         meta = self.meta
-        if meta.on_step:
-            self._buffer.put(self._synced(value), self._set_step_value if meta.on_epoch else self._set_step_and_value)
-            if not meta.on_epoch:
-                return
-        self._buffer.put(value, lambda landed: self._accumulate(landed, batch_size))
+        if not meta.on_step:
+            self._buffer.put(value, lambda landed: self._accumulate(landed, batch_size))
+        elif not meta.on_epoch:
+            self._buffer.put(self._synced(value), self._set_step_and_value)
+        elif (step_value := self._synced(value)) is value:  # no sync: one copy serves the step value and the sum
+            self._buffer.put(value, lambda landed: self._set_step_value_and_accumulate(landed, batch_size))
+        else:
+            self._buffer.put(step_value, self._set_step_value)
+            self._buffer.put(value, lambda landed: self._accumulate(landed, batch_size))
 
     def _accumulate(self, value: Tensor, batch_size: int) -> None:
         meta = self.meta
@@ -109,6 +135,10 @@ class _StoredOnCPU:
 
     def _set_step_value(self, value: Tensor) -> None:
         self._step_value = value.clone()
+
+    def _set_step_value_and_accumulate(self, value: Tensor, batch_size: int) -> None:
+        self._set_step_value(value)
+        self._accumulate(value, batch_size)
 
     def _set_step_and_value(self, value: Tensor) -> None:
         self._step_value = value.clone()
@@ -155,17 +185,16 @@ def _syncs(sync: Any) -> bool:
 
 def _floating(value: Tensor, meta: Any) -> Tensor:
     """Lightning's conversion of a logged value to floating point, with Lightning's own warning."""
-    result_module = inspect.getmodule(type(meta))
-    dtype = result_module._get_default_dtype()  # type: ignore[union-attr]
+    if value.dtype in (torch.float32, torch.float64):
+        return value
+    result_module = sys.modules[type(meta).__module__]  # Lightning's `result` module, of the namespace in use
+    dtype = result_module._get_default_dtype()
     if not torch.is_floating_point(value):
-        result_module.warning_cache.warn(  # type: ignore[union-attr]
+        result_module.warning_cache.warn(
             f"You called `self.log({meta.name!r}, ...)` in your `{meta.fx}` but the value needs to"
             f" be floating to be reduced. Converting it to {dtype}."
             " You can silence this warning by converting the value to floating point yourself."
             " If you don't intend to reduce the value (for instance when logging the global step or epoch) then"
             f" you can use `self.logger.log_metrics({{{meta.name!r}: ...}})` instead."
         )
-        value = value.to(dtype)
-    if value.dtype not in (torch.float32, torch.float64):
-        value = value.to(dtype)
-    return value
+    return value.to(dtype)

@@ -7,8 +7,8 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_store._policy import _check_bool, _from_log_dict, _resolve, _result_key
-from lightning_store._result import _stored_on_cpu_class, _StoredOnCPU
-from lightning_store.warnings import StorePolicyError, _warn_once
+from lightning_store._result import _policy_changed, _stored_on_cpu_class, _StoredOnCPU, _storing_on_cpu
+from lightning_store.warnings import _warn_once
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule as _LogBase
@@ -94,29 +94,41 @@ class StoreOnCPUMixin(_LogBase):
         _check_bool(store_on_cpu, "store_on_cpu", optional=True)
         if store_on_cpu is None:
             store_on_cpu = _from_log_dict.get()
+        # performance: `self.log` runs every step; a call that doesn't store on the CPU does no more than this.
+        # Should its key be stored on the CPU already, `_StoredOnCPU.update` refuses it.
         target = self._store_on_cpu_target(name, value, store_on_cpu, add_dataloader_idx)
-        super().log(
-            name,
-            value,
-            prog_bar=prog_bar,
-            logger=logger,
-            on_step=on_step,
-            on_epoch=on_epoch,
-            reduce_fx=reduce_fx,
-            enable_graph=enable_graph,
-            sync_dist=sync_dist,
-            sync_dist_group=sync_dist_group,
-            add_dataloader_idx=add_dataloader_idx,
-            batch_size=batch_size,
-            metric_attribute=metric_attribute,
-            rank_zero_only=rank_zero_only,
-        )
+        token = registering = None
         if target is not None:
+            token = _storing_on_cpu.set(True)
             results, key = target
-            result = results.get(key)
-            if result is not None and not isinstance(result, _StoredOnCPU):
-                cls = _stored_on_cpu_class(type(result))
-                results[key] = cls.adopt(result, self.trainer.strategy.root_device)
+            if key not in results:
+                # Lightning registers the key and runs its first update (and sync) on the value's device: make that
+                # the collective's device, as for every later value
+                registering = self.trainer.strategy.root_device
+                if isinstance(value, Tensor) and value.device != registering:
+                    value = value.to(registering)
+        try:
+            super().log(
+                name,
+                value,
+                prog_bar=prog_bar,
+                logger=logger,
+                on_step=on_step,
+                on_epoch=on_epoch,
+                reduce_fx=reduce_fx,
+                enable_graph=enable_graph,
+                sync_dist=sync_dist,
+                sync_dist_group=sync_dist_group,
+                add_dataloader_idx=add_dataloader_idx,
+                batch_size=batch_size,
+                metric_attribute=metric_attribute,
+                rank_zero_only=rank_zero_only,
+            )
+        finally:
+            if token is not None:
+                _storing_on_cpu.reset(token)
+        if registering is not None and key in results:
+            results[key] = _stored_on_cpu_class(type(results[key])).adopt(results[key], registering)
 
     def log_dict(
         self,
@@ -182,17 +194,9 @@ class StoreOnCPUMixin(_LogBase):
     ) -> tuple[Any, str] | None:
         """The result collection and key to keep on the CPU, or ``None`` where Lightning stores the value as usual.
 
-        Where Lightning will refuse or skip the call (no Trainer, ``barebones``, ``predict_step``...), this returns
-        ``None`` and leaves the outcome to Lightning.
+        Where Lightning will refuse or skip the call (no Trainer, ``predict_step``...), this returns ``None`` and
+        leaves the outcome to Lightning.
         """
-        trainer = self._trainer
-        if trainer is None or self._fabric is not None or trainer.barebones:
-            return None
-        results = trainer._results
-        fx = self._current_fx_name
-        if results is None or fx is None:
-            return None
-        key = _result_key(fx, name, add_dataloader_idx, results.dataloader_idx)
         if isinstance(value, Metric):
             if explicit:
                 _warn_once(
@@ -204,12 +208,15 @@ class StoreOnCPUMixin(_LogBase):
                     stacklevel=4,
                 )
             return None
-        wanted = _resolve(explicit, self, trainer)
+        trainer = self._trainer
+        if not _resolve(explicit, self, trainer) or trainer is None or self._fabric is not None:
+            return None
+        results = trainer._results
+        fx = self._current_fx_name
+        if results is None or fx is None:
+            return None
+        key = _result_key(fx, name, add_dataloader_idx, results.dataloader_idx)
         stored = results.get(key)
-        if stored is not None and isinstance(stored, _StoredOnCPU) is not wanted:
-            raise StorePolicyError(
-                f"You called `self.log({name!r}, ..., store_on_cpu={wanted})` in `{fx}` but {name!r} was logged there"
-                f" before with store_on_cpu={not wanted}. A key keeps one storage policy."
-                f" HINT: pass the same `store_on_cpu` on every call that logs {name!r}."
-            )
-        return (results, key) if wanted else None
+        if stored is not None and not isinstance(stored, _StoredOnCPU):
+            raise _policy_changed(name, fx, now=True)
+        return results, key

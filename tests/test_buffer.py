@@ -2,7 +2,7 @@ import pytest
 import torch
 from _support import ManualTransfer
 
-from lightning_store._buffer import _BlockingTransfer, _CopyBuffer, _transfer_for
+from lightning_store._buffer import _CopyBuffer, _transfer_for
 
 
 def _collector():
@@ -10,8 +10,8 @@ def _collector():
     return folded, lambda landed: folded.append(landed.item())
 
 
-def test_blocking_transfer_folds_at_once():
-    buffer = _CopyBuffer(_BlockingTransfer())
+def test_without_a_transfer_values_are_folded_at_once():
+    buffer = _CopyBuffer(None)
     folded, fold = _collector()
     buffer.put(torch.tensor(1.5), fold)
     assert folded == [1.5] and len(buffer) == 0
@@ -94,8 +94,9 @@ def test_a_failing_fold_still_releases_its_memory_and_leaves_the_rest_pending():
     assert folded == [2.0]
 
 
-def test_transfer_for_cpu_is_the_blocking_one():
-    assert isinstance(_transfer_for(torch.device("cpu")), _BlockingTransfer)
+def test_cpu_and_other_devices_get_no_transfer():
+    assert _transfer_for(torch.device("cpu")) is None
+    assert _transfer_for(torch.device("meta")) is None
 
 
 @pytest.mark.cuda

@@ -16,17 +16,8 @@ pytestmark = [
 
 
 @pytest.fixture
-def gpu_trainer_kwargs(tmp_path):
-    yield {
-        "accelerator": "gpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": tmp_path,
-        "max_epochs": 2,
-    }
+def gpu_trainer_kwargs(quiet_trainer_kwargs):
+    yield {**quiet_trainer_kwargs, "accelerator": "gpu", "max_epochs": 2}
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -39,6 +30,12 @@ class _SyncedLoggingModel(LoggingModel):
 
     def on_train_start(self):
         self.backend = torch.distributed.get_backend()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.store:  # a CPU tensor with sync_dist: Lightning alone hands it to NCCL (Lightning #18803)
+            self.log("cpu_value", loss.detach().cpu(), store_on_cpu=True)
+        return loss
 
 
 def _fit_and_validate(store_on_cpu, trainer_kwargs, strategy="auto", model_class=LoggingModel):
@@ -78,6 +75,8 @@ def test_ddp_on_one_gpu_with_nccl_syncs_on_the_device_and_stores_on_the_cpu(gpu_
     assert all(result._sync_runs for result in results.values())
     assert all(isinstance(result, _StoredOnCPU) for result in results.values())
     for what in on_device:
+        cpu_value = on_cpu[what].pop("cpu_value")
+        assert cpu_value.item() == pytest.approx(on_cpu[what]["train_loss"].item(), rel=1e-6)
         _assert_close(on_device[what], on_cpu[what])
 
 

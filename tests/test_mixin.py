@@ -351,3 +351,39 @@ def test_rank_zero_only_and_sync_dist_keep_their_meaning(quiet_trainer_kwargs):
     # one process: Lightning turns `sync_dist` off, and so it stays
     assert not results["training_step.s"]._sync_runs
     assert trainer.callback_metrics["s"].item() == 2.0
+
+
+@pytest.fixture
+def copies_land_late(monkeypatch):
+    """Every value reaches the CPU through copies that land only when a read waits for them."""
+    from _support import ManualTransfer
+
+    from lightning_store import _result
+
+    transfer = ManualTransfer()
+    monkeypatch.setattr(_result, "_transfer_for", lambda device: transfer)
+    return transfer
+
+
+def test_values_are_exact_when_copies_land_only_on_reads(copies_land_late, quiet_trainer_kwargs):
+    _, _, on_device = _run_everything(False, False, quiet_trainer_kwargs)
+    _, _, on_cpu = _run_everything(True, False, quiet_trainer_kwargs)
+    for what in on_device:
+        assert_same(on_device[what], on_cpu[what])
+    assert len(copies_land_late.copies) > 500  # the path under test was taken, many times
+    assert all(copy.waited and copy.released for copy in copies_land_late.copies)  # nothing left pending
+
+
+def test_an_exception_that_ends_the_loop_leaves_nothing_pending(copies_land_late, quiet_trainer_kwargs):
+    class Failing(LoggingModel):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if batch_idx == 2:
+                raise RuntimeError("step failed")
+            return loss
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.raises(RuntimeError, match="step failed"):
+        trainer.fit(Failing(store_on_cpu=True, check_storage=False), loader(n=20))
+    assert copies_land_late.copies
+    assert all(copy.waited and copy.released for copy in copies_land_late.copies)  # teardown drained them

@@ -127,6 +127,7 @@ def test_environment_defaults_apply_to_lightnings_arguments_and_the_flag(monkeyp
 
 
 def test_lightning_cli_accepts_the_flag(tmp_path):
+    pytest.importorskip("jsonargparse")
     cli_module = pytest.importorskip("pytorch_lightning.cli")
 
     args = [
