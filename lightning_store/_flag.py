@@ -7,6 +7,7 @@ from typing import Any
 from pytorch_lightning.utilities.argparse import _defaults_from_env_vars
 
 from lightning_store._policy import _check_bool
+from lightning_store.mixin import StoreOnCPUMixin
 from lightning_store.warnings import _deprecate_once, _warn_once
 
 _DEPRECATION = (
@@ -38,8 +39,6 @@ class _MoveMetricsToCPUFlag:
         return super().test(model, *args, **kwargs)  # type: ignore[misc]
 
     def _warn_if_flag_has_no_effect(self, model: Any) -> None:
-        from lightning_store.mixin import StoreOnCPUMixin
-
         if model is None:
             model = getattr(self, "lightning_module", None)
         if self.move_metrics_to_cpu and model is not None and not isinstance(model, StoreOnCPUMixin):
