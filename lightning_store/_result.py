@@ -102,10 +102,10 @@ class _StoredOnCPU:
         return self.meta.sync(_to_collective_device(tensor, self._sync_device))
 
     def update(self, value: Tensor, batch_size: int) -> None:
-        if not _storing_on_cpu.get():
-            raise _policy_changed(self.meta.name, self.meta.fx.split(".")[0], now=False)
-        value = _floating(value, self.meta)
         meta = self.meta
+        if not _storing_on_cpu.get():
+            raise _policy_changed(meta.name, meta.fx.split(".")[0], now=False)
+        value = _floating(value, meta)
         if not meta.on_step:
             self._buffer.put(value, lambda landed: self._accumulate(landed, batch_size))
         elif not meta.on_epoch:
