@@ -100,8 +100,8 @@ class StoreOnCPUMixin(_LogBase):
         token = registering = None
         if target is not None:
             token = _storing_on_cpu.set(True)
-            results, key = target
-            if key not in results:
+            results, key, first_call = target
+            if first_call:
                 # Lightning registers the key and runs its first update (and sync) on the value's device: make that
                 # the collective's device, as for every later value
                 registering = self.trainer.strategy.root_device
@@ -191,8 +191,8 @@ class StoreOnCPUMixin(_LogBase):
 
     def _store_on_cpu_target(
         self, name: str, value: Any, explicit: bool | None, add_dataloader_idx: bool
-    ) -> tuple[Any, str] | None:
-        """The result collection and key to keep on the CPU, or ``None`` where Lightning stores the value as usual.
+    ) -> tuple[Any, str, bool] | None:
+        """Where to keep this value on the CPU: ``(results, key, first_call)``, or ``None`` to store it as usual.
 
         Where Lightning will refuse or skip the call (no Trainer, ``predict_step``...), this returns ``None`` and
         leaves the outcome to Lightning.
@@ -219,4 +219,4 @@ class StoreOnCPUMixin(_LogBase):
         stored = results.get(key)
         if stored is not None and not isinstance(stored, _StoredOnCPU):
             raise _policy_changed(name, fx, now=True)
-        return results, key
+        return results, key, stored is None

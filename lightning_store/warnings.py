@@ -26,7 +26,7 @@ class StoreOnCPUDeprecationWarning(DeprecationWarning):
 
 
 class StorePolicyError(ValueError):
-    """Raised when a logged key is given two storage policies, or one it cannot keep.
+    """Raised when a logged key is given two storage policies.
 
     Example:
         >>> try:
