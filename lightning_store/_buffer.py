@@ -106,8 +106,11 @@ def _cuda_transfer(device: torch.device) -> _CUDATransfer:
 
 
 def _transfer_for(device: torch.device) -> _Transfer | None:
-    """The transfer for values that live on ``device``: non-blocking on CUDA; elsewhere none, a plain copy."""
-    if device.type == "cuda":
+    """The transfer for values that live on ``device``: non-blocking on CUDA; elsewhere none, a plain copy.
+
+    A CUDA device without CUDA (a result unpickled on a CPU-only machine) gets none: nothing can come from it.
+    """
+    if device.type == "cuda" and torch.cuda.is_available():
         return _cuda_transfer(device)
     return None
 

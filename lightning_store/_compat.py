@@ -9,15 +9,22 @@ _OLDEST = Version("2.1.1")
 _FIRST_UNTESTED = Version("2.7")
 
 
+def _installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, or ``None`` if it is not installed."""
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def _check_lightning_version(distribution: str) -> None:
     """Raise an ``ImportError`` that says how to fix it if ``distribution`` is outside the tested range.
 
     Args:
         distribution: ``"pytorch-lightning"`` or ``"lightning"``.
     """
-    try:
-        installed = version(distribution)
-    except PackageNotFoundError:  # imported from a source tree: nothing to check
+    installed = _installed_version(distribution)
+    if installed is None:  # imported from a source tree: nothing to check
         return
     if not _OLDEST <= Version(Version(installed).base_version) < _FIRST_UNTESTED:
         raise ImportError(

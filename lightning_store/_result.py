@@ -50,6 +50,7 @@ class _StoredOnCPU:
     # set by `adopt`
     _buffer: _CopyBuffer
     _sync_device: torch.device
+    _sync_runs: bool  # whether the key is reduced across processes
     _step_value: Tensor | None = None
 
     @classmethod
@@ -68,6 +69,7 @@ class _StoredOnCPU:
         """
         stored = cls(result.meta, True)  # type: ignore[call-arg]
         stored._sync_device = sync_device
+        stored._sync_runs = _syncs(stored.meta.sync)  # Lightning keeps a key's metadata: decided once
         stored._buffer = _CopyBuffer(_transfer_for(sync_device))
         stored._buffer.put(result.value, stored._set_value)
         if stored.meta.is_mean_reduction:
@@ -88,10 +90,6 @@ class _StoredOnCPU:
     def _forward_cache(self, value: Tensor | None) -> None:
         self._step_value = value
 
-    @property
-    def _sync_runs(self) -> bool:
-        return _syncs(self.meta.sync)
-
     def _synced(self, tensor: Tensor) -> Tensor:
         """``tensor`` reduced across processes on the collective's device, or ``tensor`` itself if the key doesn't sync.
 
@@ -105,7 +103,8 @@ class _StoredOnCPU:
         meta = self.meta
         if not _storing_on_cpu.get():
             raise _policy_changed(meta.name, meta.fx.split(".")[0], now=False)
-        value = _floating(value, meta)
+        if value.dtype is not torch.float32 and value.dtype is not torch.float64:
+            value = _floating(value, meta)
         if not meta.on_step:
             self._buffer.put(value, lambda landed: self._accumulate(landed, batch_size))
         elif not meta.on_epoch:
@@ -164,6 +163,28 @@ class _StoredOnCPU:
         self._buffer.drain()
         return f"{super().__repr__()[:-1]}, stored_on='cpu')"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The state with every pending copy folded in; the buffer (CUDA streams and events) is made anew."""
+        self._buffer.drain()
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[misc]
+        return {name: value for name, value in state.items() if name != "_buffer"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        self._buffer = _CopyBuffer(_transfer_for(self._sync_device))
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # the class is made at run time, so pickle could not find it by name: it is made again from Lightning's
+        return _unpickle, (self._lightning_class,), self.__getstate__()
+
+    _lightning_class: type  # set on each class `_stored_on_cpu_class` makes
+
+
+def _unpickle(lightning_class: type) -> _StoredOnCPU:
+    """An empty result of the class that stores ``lightning_class`` on the CPU, for pickle to set the state of."""
+    stored_class = _stored_on_cpu_class(lightning_class)
+    return stored_class.__new__(stored_class)
+
 
 _classes: dict[type, type[_StoredOnCPU]] = {}
 
@@ -174,7 +195,8 @@ def _stored_on_cpu_class(result_metric_class: type) -> type[_StoredOnCPU]:
         if result_metric_class.__module__.startswith("lightning."):
             _check_lightning_version("lightning")
         name = f"_StoredOnCPU{result_metric_class.__name__}"
-        _classes[result_metric_class] = type(name, (_StoredOnCPU, result_metric_class), {})
+        attributes = {"_lightning_class": result_metric_class}
+        _classes[result_metric_class] = type(name, (_StoredOnCPU, result_metric_class), attributes)
     return _classes[result_metric_class]
 
 
@@ -184,9 +206,7 @@ def _syncs(sync: Any) -> bool:
 
 
 def _floating(value: Tensor, meta: Any) -> Tensor:
-    """Lightning's conversion of a logged value to floating point, with Lightning's own warning."""
-    if value.dtype in (torch.float32, torch.float64):
-        return value
+    """Lightning's conversion of a logged value that is not float32 or float64, with Lightning's own warning."""
     result_module = sys.modules[type(meta).__module__]  # Lightning's `result` module, of the namespace in use
     dtype = result_module._get_default_dtype()
     if not torch.is_floating_point(value):

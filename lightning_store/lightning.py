@@ -3,14 +3,27 @@
 ``StoreOnCPUMixin`` works with a LightningModule of either namespace; it is re-exported here for convenience.
 """
 
-from lightning_store._compat import _check_lightning_version
+from lightning_store._compat import _check_lightning_version, _installed_version
 
 try:
     import lightning.pytorch as _lightning_pytorch
 except ImportError as err:
+    if _installed_version("lightning") is None:
+        raise ImportError(
+            "`lightning_store.lightning` is for the `lightning` package, which is not installed."
+            " HINT: pip install lightning, or use `lightning_store.Trainer` with `pytorch_lightning`."
+        ) from err
+    # installed, but it does not import: first a release outside the range, else the error itself, chained
+    _check_lightning_version("lightning")
+    hint = (
+        " HINT: Lightning releases before 2.4 import `pkg_resources`, which recent setuptools no longer ships:"
+        " pip install 'setuptools<82'."
+        if getattr(err, "name", None) == "pkg_resources"
+        else " HINT: fix the error above, which `import lightning.pytorch` raises on its own."
+    )
     raise ImportError(
-        "`lightning_store.lightning` is for the `lightning` package, which is not installed."
-        " HINT: pip install lightning, or use `lightning_store.Trainer` with `pytorch_lightning`."
+        f"`lightning` {_installed_version('lightning')} is installed, but `import lightning.pytorch` failed: {err}."
+        + hint
     ) from err
 
 from lightning_store._flag import _init_with_flag, _MoveMetricsToCPUFlag

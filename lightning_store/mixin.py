@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_store._policy import _check_bool, _from_log_dict, _resolve, _result_key
+from lightning_store._policy import _active_results, _as_bool, _from_log_dict, _resolve, _result_key
 from lightning_store._result import _policy_changed, _stored_on_cpu_class, _StoredOnCPU, _storing_on_cpu
 from lightning_store.warnings import _warn_once
 
@@ -43,6 +43,19 @@ class StoreOnCPUMixin(_LogBase):
     """
 
     store_on_cpu_default: bool | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a class whose LightningModule comes before the mixin: its ``log`` would never reach the mixin."""
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        lightning_log = next((c for c in mro if "log" in vars(c) and not issubclass(c, StoreOnCPUMixin)), None)
+        if lightning_log is not None and mro.index(lightning_log) < mro.index(StoreOnCPUMixin):
+            bases = sorted(cls.__bases__, key=lambda base: not issubclass(base, StoreOnCPUMixin))
+            raise TypeError(
+                f"`{cls.__name__}` puts `{lightning_log.__name__}` before `StoreOnCPUMixin` in its bases, so"
+                f" `{lightning_log.__name__}.log` would run instead of the mixin's and refuse `store_on_cpu`."
+                f" HINT: put the mixin first: `class {cls.__name__}({', '.join(b.__name__ for b in bases)})`."
+            )
 
     def log(
         self,
@@ -91,9 +104,10 @@ class StoreOnCPUMixin(_LogBase):
             StorePolicyError: if the key was logged with the other ``store_on_cpu`` before.
 
         """
-        _check_bool(store_on_cpu, "store_on_cpu", optional=True)
         if store_on_cpu is None:
             store_on_cpu = _from_log_dict.get()
+        elif store_on_cpu is not True and store_on_cpu is not False:
+            store_on_cpu = _as_bool(store_on_cpu, "store_on_cpu", optional=True)
         # performance: `self.log` runs every step; a call that doesn't store on the CPU does no more than this.
         # Should its key be stored on the CPU already, `_StoredOnCPU.update` refuses it.
         target = self._store_on_cpu_target(name, value, store_on_cpu, add_dataloader_idx)
@@ -169,8 +183,7 @@ class StoreOnCPUMixin(_LogBase):
             StorePolicyError: as :meth:`log`.
 
         """
-        _check_bool(store_on_cpu, "store_on_cpu", optional=True)
-        token = _from_log_dict.set(store_on_cpu)
+        token = _from_log_dict.set(_as_bool(store_on_cpu, "store_on_cpu", optional=True))
         try:
             super().log_dict(
                 dictionary,
@@ -197,21 +210,30 @@ class StoreOnCPUMixin(_LogBase):
         Where Lightning will refuse or skip the call (no Trainer, ``predict_step``...), this returns ``None`` and
         leaves the outcome to Lightning.
         """
-        if isinstance(value, Metric):
+        if not isinstance(value, Tensor) and isinstance(value, Metric):  # the plain check first: it is faster
             if explicit:
+                # `log_dict` hands each item to `self.log`: point at the user's `log_dict` line and name that call
+                # (stacklevel 4 is the caller of `log`; `log_dict` adds Lightning's `log_dict` and ours above it)
+                via_log_dict = _from_log_dict.get() is not None
+                metric = f"<{type(value).__name__}>"
+                call = f"log_dict({{..., {name!r}: {metric}}}" if via_log_dict else f"log({name!r}, {metric}"
                 _warn_once(
-                    f"`self.log({name!r}, <{type(value).__name__}>, store_on_cpu=True)`: a `torchmetrics.Metric`"
+                    f"`self.{call}, store_on_cpu=True)`: a `torchmetrics.Metric`"
                     " keeps its state on its own device, so it is logged as usual and not moved. Moving it would"
                     " break its next `update` (its inputs are on the device) and its sync across processes (NCCL"
-                    " refuses CPU tensors). HINT: drop `store_on_cpu` for Metrics, or log the tensor it computes:"
-                    f" `self.log({name!r}, metric.compute(), store_on_cpu=True)`.",
-                    stacklevel=4,
+                    " refuses CPU tensors). HINT: to keep the predictions and targets it gathers over an epoch on"
+                    " the CPU, configure the Metric once with `lightning_store.store_states_on_cpu(metric)` and log"
+                    f" it without `store_on_cpu`; or log the tensor it computes: `self.log({name!r},"
+                    " metric.compute(), store_on_cpu=True)`.",
+                    stacklevel=6 if via_log_dict else 4,
                 )
             return None
         trainer = self._trainer
-        if not _resolve(explicit, self, trainer) or trainer is None or self._fabric is not None:
+        if explicit is None:
+            explicit = _resolve(None, self, trainer)
+        if not explicit or trainer is None or self._fabric is not None:
             return None
-        results = trainer._results
+        results = _active_results(trainer)
         fx = self._current_fx_name
         if results is None or fx is None:
             return None

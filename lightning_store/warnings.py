@@ -1,5 +1,7 @@
 """Warning and error classes of lightning-store, and the rank-zero helpers that emit them once."""
 
+import warnings
+
 from lightning_utilities.core.rank_zero import WarningCache
 
 __all__ = ["StoreOnCPUDeprecationWarning", "StoreOnCPUWarning", "StorePolicyError"]
@@ -37,6 +39,11 @@ class StorePolicyError(ValueError):
 
     """
 
+
+# Python hides a `DeprecationWarning` unless it is raised from `__main__`: a `Trainer` built in a module of the
+# user's package, or by `LightningCLI`, would deprecate in silence. As Lightning does for its own deprecation class,
+# show this one by default; the filter concerns only this class, and a filter the user adds for it takes precedence.
+warnings.simplefilter("default", category=StoreOnCPUDeprecationWarning)
 
 _cache = WarningCache()
 

@@ -1,12 +1,17 @@
 """The ``lightning.pytorch`` namespace: the mixin on its LightningModule, and its Trainer with the flag."""
 
+import builtins
+import importlib
+import importlib.metadata
+import sys
+
 import pytest
 import torch
 from _support import assert_same, loader
 
 L = pytest.importorskip("lightning.pytorch")
 
-from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin  # noqa: E402
+from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, _compat  # noqa: E402
 from lightning_store._result import _StoredOnCPU  # noqa: E402
 from lightning_store.lightning import Trainer  # noqa: E402
 
@@ -69,3 +74,51 @@ def test_the_pytorch_lightning_trainer_refuses_a_lightning_module(quiet_trainer_
     trainer = lightning_store.Trainer(**quiet_trainer_kwargs, max_epochs=1)
     with pytest.raises(TypeError, match="must be a `LightningModule`"):
         trainer.fit(Model(), loader())
+
+
+def _import_lightning_store_lightning(monkeypatch):
+    monkeypatch.delitem(sys.modules, "lightning_store.lightning")
+    return importlib.import_module("lightning_store.lightning")
+
+
+def test_not_installed_is_said_only_when_lightning_is_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning", None)  # `import lightning` fails as if it were absent
+    monkeypatch.setattr(_compat, "version", _not_installed)
+    with pytest.raises(ImportError, match=r"is for the `lightning` package, which is not installed"):
+        _import_lightning_store_lightning(monkeypatch)
+
+
+def test_an_installed_lightning_that_fails_to_import_shows_the_real_cause(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # installed (2.6.6 here), but the import fails
+    with pytest.raises(ImportError) as info:
+        _import_lightning_store_lightning(monkeypatch)
+    message = str(info.value)
+    assert message.startswith(f"`lightning` {importlib.metadata.version('lightning')} is installed, but")
+    assert "not installed" not in message
+    assert isinstance(info.value.__cause__, ImportError) and "lightning.pytorch" in str(info.value.__cause__)
+
+
+def test_a_missing_pkg_resources_gets_its_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    monkeypatch.setitem(sys.modules, "pkg_resources", None)
+    real_import = builtins.__import__
+
+    def import_needing_pkg_resources(name, *args, **kwargs):
+        if name == "lightning.pytorch":
+            import pkg_resources  # noqa: F401  (raises: None in sys.modules, as when setuptools lacks it)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", import_needing_pkg_resources)
+    with pytest.raises(ImportError, match=r"failed: .*pkg_resources.* HINT: Lightning releases before 2\.4 import"):
+        _import_lightning_store_lightning(monkeypatch)
+
+
+def test_a_release_outside_the_range_is_named_first(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    monkeypatch.setattr(_compat, "version", lambda distribution: "2.0.9")
+    with pytest.raises(ImportError, match=r"lightning-store supports lightning>=2\.1\.1,<2\.7, but lightning 2\.0\.9"):
+        _import_lightning_store_lightning(monkeypatch)
+
+
+def _not_installed(distribution):
+    raise importlib.metadata.PackageNotFoundError(distribution)

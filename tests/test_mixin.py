@@ -1,5 +1,7 @@
 import math
+import re
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -112,11 +114,48 @@ def _fit_one_key(trainer_kwargs, value_fn, **log_kwargs):
     return trainer
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, 0, torch.tensor(True), 1.0])
-def test_store_on_cpu_must_be_bool_or_none(bad, quiet_trainer_kwargs):
-    expected = f"Expected store_on_cpu to be a bool or None, got {bad!r} ({type(bad).__name__})."
-    with pytest.raises(TypeError, match=expected.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+@pytest.mark.parametrize(
+    ("bad", "type_name"),
+    [("yes", "str"), (1, "int"), (0, "int"), (torch.tensor(True), "torch.Tensor"), (1.0, "float")],
+)
+def test_store_on_cpu_must_be_bool_or_none(bad, type_name, quiet_trainer_kwargs):
+    expected = f"Expected store_on_cpu to be a bool or None, got {bad!r} ({type_name})."
+    with pytest.raises(TypeError, match=re.escape(expected)):
         _fit_one_key(quiet_trainer_kwargs, lambda b, i: 1.0, store_on_cpu=bad)
+
+
+def test_numpy_bools_are_taken_for_store_on_cpu_and_the_module_default(quiet_trainer_kwargs):
+    trainer = _fit_one_key(quiet_trainer_kwargs, lambda b, i: 1.0, store_on_cpu=np.True_)
+    assert isinstance(trainer.fit_loop.epoch_loop._results["training_step.x"], _StoredOnCPU)
+
+    class Model(_OneKeyModel):
+        store_on_cpu_default = np.True_
+
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    trainer.fit(Model(lambda b, i: 1.0), loader())
+    assert isinstance(trainer.fit_loop.epoch_loop._results["training_step.x"], _StoredOnCPU)
+
+
+def test_the_mixin_after_the_lightning_module_is_refused_when_the_class_is_defined():
+    with pytest.raises(TypeError) as info:
+
+        class Wrong(pl.LightningModule, StoreOnCPUMixin):
+            pass
+
+    assert str(info.value) == (
+        "`Wrong` puts `LightningModule` before `StoreOnCPUMixin` in its bases, so `LightningModule.log` would run"
+        " instead of the mixin's and refuse `store_on_cpu`."
+        " HINT: put the mixin first: `class Wrong(StoreOnCPUMixin, LightningModule)`."
+    )
+
+    class Right(StoreOnCPUMixin, pl.LightningModule):
+        def log(self, *args, **kwargs):  # an override of the user's own comes first, as it should
+            super().log(*args, **kwargs)
+
+    class Sub(Right):
+        pass
+
+    assert Sub.__mro__.index(StoreOnCPUMixin) < Sub.__mro__.index(pl.LightningModule)
 
 
 def test_log_dict_store_on_cpu_must_be_bool_or_none(quiet_trainer_kwargs):
@@ -210,7 +249,8 @@ def test_metric_with_store_on_cpu_warns_and_is_logged_as_usual(quiet_trainer_kwa
         "a `torchmetrics.Metric` keeps its state on its own device, so it is logged as usual and not moved"
         in (messages[0])
     )
-    assert "HINT: drop `store_on_cpu` for Metrics, or log the tensor it computes" in messages[0]
+    assert "configure the Metric once with `lightning_store.store_states_on_cpu(metric)`" in messages[0]
+    assert "or log the tensor it computes" in messages[0]
     result = trainer.fit_loop.epoch_loop._results["training_step.metric"]
     assert not isinstance(result, _StoredOnCPU) and result.value is model.metric
     plain = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
@@ -260,6 +300,24 @@ def test_log_dict_metric_collection_warns_per_metric(quiet_trainer_kwargs):
         trainer.fit(Model(), loader())
     warned = sorted(str(w.message).split("'")[1] for w in record if issubclass(w.category, StoreOnCPUWarning))
     assert warned == ["m", "s"]
+
+
+def test_log_dict_metric_warning_names_log_dict_and_points_at_its_line(quiet_trainer_kwargs):
+    class Model(_MetricModel):
+        def training_step(self, batch, batch_idx):
+            self.metric(batch[0].sum())
+            self.log_dict({"loss": 1.0, "metric": self.metric}, store_on_cpu=True)  # the line warned about
+            return self.layer(batch[0]).sum()
+
+    line = Model.training_step.__code__.co_firstlineno + 2
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.warns(StoreOnCPUWarning) as record:
+        trainer.fit(Model(), loader())
+    [warning] = [w for w in record if issubclass(w.category, StoreOnCPUWarning)]
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    assert str(warning.message).startswith(
+        "`self.log_dict({..., 'metric': <SumMetric>}, store_on_cpu=True)`: a `torchmetrics.Metric` keeps its state"
+    )
 
 
 def test_monitor_works_for_checkpoint_and_early_stopping(tmp_path, quiet_trainer_kwargs):

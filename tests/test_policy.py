@@ -1,6 +1,12 @@
-import pytest
+import sys
 
-from lightning_store._policy import _check_bool, _resolve, _result_key
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from _support import LoggingModel, loader
+
+from lightning_store._policy import _active_results, _as_bool, _resolve, _result_key
 
 
 class _Module:
@@ -15,7 +21,7 @@ class _Trainer:
 
 def test_optional_bool_message():
     with pytest.raises(TypeError) as info:
-        _check_bool("yes", "store_on_cpu", optional=True)
+        _as_bool("yes", "store_on_cpu", optional=True)
     assert str(info.value) == (
         "Expected store_on_cpu to be a bool or None, got 'yes' (str)."
         " HINT: pass store_on_cpu=True or store_on_cpu=False (or leave it out)."
@@ -24,7 +30,7 @@ def test_optional_bool_message():
 
 def test_required_bool_message():
     with pytest.raises(TypeError) as info:
-        _check_bool(None, "move_metrics_to_cpu", optional=False)
+        _as_bool(None, "move_metrics_to_cpu", optional=False)
     assert str(info.value) == (
         "Expected move_metrics_to_cpu to be a bool, got None (NoneType)."
         " HINT: pass move_metrics_to_cpu=True or move_metrics_to_cpu=False."
@@ -33,9 +39,32 @@ def test_required_bool_message():
 
 @pytest.mark.parametrize("value", [True, False])
 def test_bools_pass(value):
-    _check_bool(value, "x", optional=False)
-    _check_bool(value, "x", optional=True)
-    _check_bool(None, "x", optional=True)
+    assert _as_bool(value, "x", optional=False) is value
+    assert _as_bool(value, "x", optional=True) is value
+    assert _as_bool(None, "x", optional=True) is None
+
+
+@pytest.mark.parametrize(("value", "expected"), [(np.True_, True), (np.False_, False)])
+def test_numpy_bools_pass_as_python_bools(value, expected):
+    assert _as_bool(value, "x", optional=False) is expected
+    assert _as_bool(value, "x", optional=True) is expected
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(np.int64(1), "np.int64(1) (numpy.int64)"), (torch.tensor(True), "tensor(True) (torch.Tensor)"), (1, "1 (int)")],
+)
+def test_a_refusal_names_the_real_type(value, shown):
+    with pytest.raises(TypeError) as info:
+        _as_bool(value, "store_on_cpu", optional=True)
+    assert str(info.value).startswith(f"Expected store_on_cpu to be a bool or None, got {shown}.")
+
+
+def test_numpy_is_not_imported_to_check_a_bool(monkeypatch):
+    monkeypatch.delitem(sys.modules, "numpy")  # as if nothing had imported it
+    with pytest.raises(TypeError, match=r"got 'yes' \(str\)"):
+        _as_bool("yes", "store_on_cpu", optional=True)
+    assert "numpy" not in sys.modules
 
 
 @pytest.mark.parametrize(
@@ -62,3 +91,53 @@ def test_the_key_is_lightnings():
     assert _result_key("training_step", "loss", True, None) == "training_step.loss"
     assert _result_key("validation_step", "acc", True, 1) == "validation_step.acc.1"
     assert _result_key("validation_step", "acc", False, 1) == "validation_step.acc"
+
+
+class _ChecksActiveResults(pl.Callback):
+    """In every hook that may log, compares the fast look-up with Lightning's own ``trainer._results``."""
+
+    def __init__(self):
+        self.seen = []
+
+    def _check(self, trainer, hook):
+        self.seen.append((hook, trainer.state.stage.value, _active_results(trainer) is trainer._results))
+
+
+for _hook in (
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_sanity_check_start",
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_batch_end",
+    "on_validation_epoch_end",
+    "on_test_epoch_start",
+    "on_test_batch_end",
+    "on_test_epoch_end",
+    "on_predict_batch_end",
+):
+    setattr(
+        _ChecksActiveResults,
+        _hook,
+        lambda self, trainer, *args, _hook=_hook, **kwargs: self._check(trainer, _hook),
+    )
+
+
+class _Predicting(LoggingModel):
+    def predict_step(self, batch, batch_idx):
+        return self.layer(batch[0])
+
+
+def test_the_active_results_are_lightnings_in_every_loop(quiet_trainer_kwargs):
+    checks = _ChecksActiveResults()
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1, callbacks=[checks], num_sanity_val_steps=1)
+    model = _Predicting(store_on_cpu=True)
+    trainer.fit(model, loader(), loader(seed=1))
+    trainer.validate(model, loader(seed=2), verbose=False)
+    trainer.test(model, loader(seed=3), verbose=False)
+    trainer.predict(model, loader(seed=4))
+    assert {stage for _, stage, _ in checks.seen} >= {"train", "sanity_check", "validate", "test", "predict"}
+    assert [seen for seen in checks.seen if not seen[2]] == []

@@ -1,12 +1,15 @@
 import inspect
+import pickle
 import warnings
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from _support import LoggingModel, loader
+from _support import LoggingModel, assert_same, loader
 
-from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, StoreOnCPUWarning, Trainer
+from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, StoreOnCPUWarning, Trainer, _result
+from lightning_store._policy import _resolve
 from lightning_store._result import _StoredOnCPU
 
 
@@ -64,22 +67,25 @@ def test_without_the_flag_nothing_is_stored_on_cpu(quiet_trainer_kwargs):
     assert not _stored(_fit(quiet_trainer_kwargs, LoggingModel(store_on_cpu=None)))
 
 
+class _Plain(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).sum()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
 def test_flag_on_a_module_without_the_mixin_warns_that_it_has_no_effect(quiet_trainer_kwargs):
-    class Plain(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(3, 1)
-
-        def training_step(self, batch, batch_idx):
-            loss = self.layer(batch[0]).sum()
-            self.log("loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    with pytest.warns(StoreOnCPUWarning, match=r"has no effect on `Plain`: it only sets the default of `store_on_cpu`"):
-        trainer = _fit(quiet_trainer_kwargs, Plain(), move_metrics_to_cpu=True)
+    with pytest.warns(
+        StoreOnCPUWarning, match=r"has no effect on `_Plain`: it only sets the default of `store_on_cpu`"
+    ):
+        trainer = _fit(quiet_trainer_kwargs, _Plain(), move_metrics_to_cpu=True)
     assert "loss" in trainer.callback_metrics
 
 
@@ -140,3 +146,76 @@ def test_lightning_cli_accepts_the_flag(tmp_path):
         cli = cli_module.LightningCLI(LoggingModel, trainer_class=Trainer, run=False, args=args)
     assert isinstance(cli.trainer, Trainer)
     assert cli.trainer.move_metrics_to_cpu is True and cli.trainer.max_epochs == 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("1", True), ("0", False), ("True", True), ("false", False), ("", False)]
+)
+def test_the_flag_takes_what_lightning_takes_from_the_environment(raw, expected, monkeypatch, quiet_trainer_kwargs):
+    monkeypatch.setenv("PL_TRAINER_MOVE_METRICS_TO_CPU", raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StoreOnCPUDeprecationWarning)
+        trainer = Trainer(**quiet_trainer_kwargs)
+    assert trainer.move_metrics_to_cpu is expected
+
+
+@pytest.mark.parametrize("raw", ["yes", "2", "[1]"])
+def test_a_bad_environment_value_is_named_with_its_variable(raw, monkeypatch, quiet_trainer_kwargs):
+    monkeypatch.setenv("PL_TRAINER_MOVE_METRICS_TO_CPU", raw)
+    expected = (
+        f"Expected the environment variable PL_TRAINER_MOVE_METRICS_TO_CPU to be 1, 0, True or False, got {raw!r}."
+        " HINT: export PL_TRAINER_MOVE_METRICS_TO_CPU=1 to turn move_metrics_to_cpu on, or unset it."
+    )
+    with pytest.raises(ValueError) as info:
+        Trainer(**quiet_trainer_kwargs)
+    assert str(info.value) == expected
+
+
+def test_an_explicit_flag_wins_over_the_environment(monkeypatch, quiet_trainer_kwargs):
+    monkeypatch.setenv("PL_TRAINER_MOVE_METRICS_TO_CPU", "yes")  # not even read
+    assert Trainer(move_metrics_to_cpu=False, **quiet_trainer_kwargs).move_metrics_to_cpu is False
+
+
+def test_a_subclass_reads_its_own_variable_as_lightning_does(monkeypatch, quiet_trainer_kwargs):
+    class MyTrainer(Trainer):
+        pass
+
+    monkeypatch.setenv("PL_MYTRAINER_MOVE_METRICS_TO_CPU", "1")
+    with pytest.warns(StoreOnCPUDeprecationWarning):
+        assert MyTrainer(**quiet_trainer_kwargs).move_metrics_to_cpu is True
+
+
+def test_a_numpy_bool_is_taken_for_the_flag(quiet_trainer_kwargs):
+    with pytest.warns(StoreOnCPUDeprecationWarning):
+        trainer = Trainer(move_metrics_to_cpu=np.True_, **quiet_trainer_kwargs)
+    assert trainer.move_metrics_to_cpu is True
+
+
+def test_a_compiled_module_is_looked_through(quiet_trainer_kwargs, recwarn):
+    # no batch is run: a compiled step would take a minute to compile here, and on torch 2.13 with Lightning 2.6
+    # a compiled step that calls `self.log` fails inside dynamo with or without lightning-store
+    trainer_kwargs = {**quiet_trainer_kwargs, "limit_train_batches": 0}
+    trainer = _fit(trainer_kwargs, torch.compile(LoggingModel(store_on_cpu=None)), move_metrics_to_cpu=True)
+    assert not [w for w in recwarn if issubclass(w.category, StoreOnCPUWarning)]
+    assert isinstance(trainer.lightning_module, LoggingModel)
+    assert _resolve(None, trainer.lightning_module, trainer) is True  # the flag applies to the compiled module
+
+    with pytest.warns(StoreOnCPUWarning, match="has no effect on `_Plain`"):
+        _fit(trainer_kwargs, torch.compile(_Plain()), move_metrics_to_cpu=True)
+
+
+@pytest.mark.parametrize("store_on_cpu", [False, True])
+def test_a_fitted_trainer_pickles_with_its_values(store_on_cpu, quiet_trainer_kwargs, monkeypatch):
+    trainer = _fit(quiet_trainer_kwargs, LoggingModel(store_on_cpu=store_on_cpu))
+    results = trainer.fit_loop.epoch_loop._results
+    monkeypatch.setattr(_result, "_classes", {})  # as in a fresh process: the class is made again on load
+    loaded = pickle.loads(pickle.dumps(trainer))
+    assert_same(dict(trainer.callback_metrics), dict(loaded.callback_metrics))
+    reloaded = loaded.fit_loop.epoch_loop._results
+    assert list(reloaded) == list(results)
+    for key, result in results.items():
+        assert isinstance(reloaded[key], _StoredOnCPU) is store_on_cpu
+        assert torch.equal(reloaded[key].value, result.value)
+        if store_on_cpu:  # still stored on the CPU, with a buffer of its own for the values to come
+            assert reloaded[key].value.is_cpu and len(reloaded[key]._buffer) == 0
+            assert reloaded[key]._buffer is not result._buffer

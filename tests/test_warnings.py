@@ -1,4 +1,8 @@
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +35,57 @@ def test_a_deprecation_is_shown_once_with_its_class():
         _deprecate_once("old")
     assert len(record) == 1
     assert record[0].filename == __file__
+
+
+_BUILDS_TRAINERS = """
+import warnings
+
+import lightning_store
+from pytorch_lightning.cli import LightningCLI
+from _support import LoggingModel
+
+
+def build(root):
+    warnings.warn("another deprecation", DeprecationWarning)  # still hidden: Python's default filters are kept
+    lightning_store.Trainer(move_metrics_to_cpu=True, logger=False, default_root_dir=root)
+    lightning_store.Trainer(move_metrics_to_cpu=True, logger=False, default_root_dir=root)  # once
+
+
+def build_through_cli(root):
+    lightning_store.warnings._cache.clear()  # a fresh process, as far as the once-only cache goes
+    args = ["--trainer.move_metrics_to_cpu=true", "--trainer.logger=false", f"--trainer.default_root_dir={root}"]
+    LightningCLI(LoggingModel, trainer_class=lightning_store.Trainer, run=False, args=args)
+"""
+
+
+def _run_with_default_filters(tmp_path, main):
+    (tmp_path / "builds_trainers.py").write_text(_BUILDS_TRAINERS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    tests, root = Path(__file__).parent, Path(__file__).parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(tests), str(root)])
+    result = subprocess.run(
+        [sys.executable, "-c", main], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "another deprecation" not in result.stderr
+    return [line for line in result.stderr.splitlines() if "`Trainer(move_metrics_to_cpu=True)` is deprecated" in line]
+
+
+def test_the_deprecation_shows_under_default_filters_from_a_module_and_through_lightning_cli(tmp_path):
+    main = "import builds_trainers as b, sys; b.build(sys.argv[0]); b.build_through_cli(sys.argv[0])"
+    shown = _run_with_default_filters(tmp_path, main)
+    assert len(shown) == 2, shown
+    assert (
+        "builds_trainers.py" in shown[0]
+        and "StoreOnCPUDeprecationWarning: `Trainer(move_metrics_to_cpu=True)`" in shown[0]
+    )
+    assert "pytorch_lightning/cli.py" in shown[1]  # Lightning formats warnings from its own files without the class
+
+
+def test_the_deprecation_can_still_be_filtered_by_its_class(tmp_path):
+    main = (
+        "import warnings, lightning_store, builds_trainers as b, sys;"
+        " warnings.filterwarnings('ignore', category=lightning_store.StoreOnCPUDeprecationWarning);"
+        " b.build(sys.argv[0])"
+    )
+    assert _run_with_default_filters(tmp_path, main) == []
