@@ -4,6 +4,7 @@ from lightning_store._compat import _check_lightning_version
 
 _check_lightning_version("pytorch-lightning")  # before Lightning is imported: outside the range it may not import
 
+from lightning_store.metric_states import gather_on_device, store_states_on_cpu
 from lightning_store.mixin import StoreOnCPUMixin
 from lightning_store.report import KeyStorage, format_storage_report, storage_report
 from lightning_store.trainer import Trainer
@@ -18,7 +19,9 @@ __all__ = [
     "Trainer",
     "__version__",
     "format_storage_report",
+    "gather_on_device",
     "storage_report",
+    "store_states_on_cpu",
 ]
 
 __version__ = "0.1.0"

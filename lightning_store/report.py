@@ -9,6 +9,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_store._result import _StoredOnCPU, _syncs
+from lightning_store.metric_states import _settle_states, _stores_states_on_cpu
 
 __all__ = ["KeyStorage", "format_storage_report", "storage_report"]
 
@@ -23,7 +24,8 @@ class KeyStorage:
         name: the name given to ``self.log``.
         dataloader_idx: the dataloader it was logged for, if there are several.
         kind: ``"tensor"`` (tensors and numbers) or the class name of a logged ``Metric``.
-        store_on_cpu: whether the key is stored on the CPU by ``store_on_cpu``.
+        store_on_cpu: whether the key is stored on the CPU by ``store_on_cpu``, or, for a ``Metric``, whether its
+            list states are, by :func:`~lightning_store.store_states_on_cpu`.
         device: where its tensors are now (``"cpu"``, ``"cuda:0"``...); ``"-"`` before any is kept.
         bytes: the bytes its tensors hold there.
         reduce_fx: the reduction over steps (``"mean"``, ``"sum"``...), or ``"compute"`` for a ``Metric``.
@@ -113,7 +115,7 @@ def _row(loop: str, result: Any) -> KeyStorage:
         name=meta.name,
         dataloader_idx=meta.dataloader_idx,
         kind="tensor" if result.is_tensor else type(result.value).__name__,
-        store_on_cpu=isinstance(result, _StoredOnCPU),
+        store_on_cpu=isinstance(result, _StoredOnCPU) or (not result.is_tensor and _stores_states_on_cpu(result.value)),
         device=",".join(devices) or "-",
         bytes=sum(t.numel() * t.element_size() for t in tensors),
         reduce_fx=meta.reduce_fx.__name__ if result.is_tensor else "compute",
@@ -134,8 +136,10 @@ def _held_tensors(result: Any) -> Iterator[Tensor]:
         candidates += [result._forward_cache, result._computed]
     else:
         metric: Metric = result.value
+        _settle_states(metric)  # copies in flight to the CPU are counted where they land
         candidates = [metric._forward_cache, metric._computed]
-        for state in metric.metric_state.values():
+        for name in metric._defaults:  # `Metric.metric_state` is torchmetrics >= 1.1
+            state = getattr(metric, name)
             candidates.extend(state if isinstance(state, list) else [state])
     seen: set[int] = set()
     for tensor in candidates:

@@ -1,5 +1,6 @@
 """Modules, data, a recording logger and a manual transfer, shared by the tests and the DDP worker script."""
 
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +13,13 @@ from lightning_store import StoreOnCPUMixin
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 LEVELS = ((True, False), (False, True), (True, True))  # (on_step, on_epoch)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on, for a process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def loader(n: int = 10, batch_size: int = 4, seed: int = 0) -> DataLoader:

@@ -2,30 +2,23 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _support import REDUCTIONS
+from _support import REDUCTIONS, free_port
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
 STEPS = 3
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     """Both ranks' records of one 2-process DDP fit on gloo; the process group is killed if it hangs."""
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKER.parent.parent), env.get("PYTHONPATH")]))
     for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(name, None)

@@ -13,7 +13,9 @@ PUBLIC = {
     "Trainer",
     "__version__",
     "format_storage_report",
+    "gather_on_device",
     "storage_report",
+    "store_states_on_cpu",
 }
 
 
@@ -21,7 +23,7 @@ def test_the_public_api_is_exactly_all():
     assert set(lightning_store.__all__) == PUBLIC
     public_attributes = {name for name in vars(lightning_store) if not name.startswith("_")}
     # submodules are importable, but the API is what `__all__` lists
-    assert public_attributes - PUBLIC <= {"lightning", "mixin", "report", "trainer", "warnings"}
+    assert public_attributes - PUBLIC <= {"lightning", "metric_states", "mixin", "report", "trainer", "warnings"}
 
 
 def test_every_public_name_has_a_docstring_with_an_example():
