@@ -1,0 +1,17 @@
+"""The registry: every check of ``python -m lightning_store``, in the order it runs and prints."""
+
+from ._core import Check
+from ._cuda import check_nccl_sync_dist, check_no_sync
+from ._metric import check_metric_nccl_sync, check_metric_states
+from ._timing import check_step_time
+from ._values import check_storage, check_values
+
+CHECKS: list[Check] = [
+    Check("values", "values identical", check_values),
+    Check("cpu_storage", "state on the CPU during the fit", check_storage),
+    Check("no_sync", "no host sync in self.log", check_no_sync),
+    Check("nccl_sync_dist", "sync_dist through NCCL", check_nccl_sync_dist),
+    Check("step_time", "step time (figure)", check_step_time),
+    Check("metric_states", "Metric list states on the CPU", check_metric_states),
+    Check("metric_nccl_sync", "Metric sync through NCCL", check_metric_nccl_sync),
+]

@@ -1,0 +1,76 @@
+"""How the self-check reads: an environment block, one line per check, a summary; or the same as JSON."""
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+from ._core import CheckResult
+
+SCHEMA = 1  # of the JSON document; raised when a field changes meaning or goes away
+_TITLE_WIDTH = 34
+_INDENT = " " * 6
+
+
+def environment_block(env: Mapping[str, str]) -> str:
+    """``label  value`` lines, aligned."""
+    width = max(map(len, env)) + 2
+    return "\n".join(f"{label.ljust(width)}{value}" for label, value in env.items())
+
+
+def check_line(result: CheckResult) -> str:
+    """``PASS  title  detail`` (a SKIP's reason in parentheses), then its table, if any, indented."""
+    detail = f"({result.detail})" if result.status == "SKIP" else result.detail
+    line = f"{result.status}  {result.title.ljust(_TITLE_WIDTH)}{detail}"
+    if result.table:
+        line += "\n" + "\n".join(_INDENT + row for row in result.table.splitlines())
+    return line
+
+
+def summary_line(results: Iterable[CheckResult], seconds: float) -> str:
+    """How many checks passed, failed, were skipped or gave a figure, and how long it all took."""
+    results = list(results)
+    counts = Counter(result.status for result in results)
+    verdict = "FAILED" if counts["FAIL"] else "ok"
+    return (
+        f"{verdict}: {len(results)} checks in {seconds:.1f} s: {counts['PASS']} passed, {counts['FAIL']} failed,"
+        f" {counts['SKIP']} skipped, {counts['INFO']} figure{'s' if counts['INFO'] != 1 else ''}"
+    )
+
+
+def exit_code(results: Iterable[CheckResult]) -> int:
+    """0 when every check that ran passed (or gave a figure), 1 otherwise."""
+    return 1 if any(result.status == "FAIL" for result in results) else 0
+
+
+def json_document(
+    env: Mapping[str, str], accelerator: str, results: list[CheckResult], seconds: float
+) -> dict[str, Any]:
+    """What ``--json`` writes: the environment, the device, each check, the counts and the exit code."""
+    counts = Counter(result.status for result in results)
+    checks = [{k: v for k, v in asdict(result).items() if k != "table"} for result in results]
+    document = {
+        "schema": SCHEMA,
+        "exit_code": exit_code(results),
+        "accelerator": accelerator,
+        "seconds": round(seconds, 3),
+        "environment": dict(env),
+        "summary": {status: counts[status] for status in ("PASS", "FAIL", "SKIP", "INFO")},
+        "checks": checks,
+    }
+    jsonable: dict[str, Any] = _jsonable(document)
+    return jsonable
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with what strict JSON lacks replaced: non-finite floats by None, sets and tuples by lists."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_jsonable(v) for v in (sorted(value) if isinstance(value, set) else value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)

@@ -1,0 +1,274 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_store
+from lightning_store._selfcheck import _checks, _cli, _cuda, _metric, _render, _timing, _values
+from lightning_store._selfcheck._core import Check, Context, Outcome, Skip, run_check
+
+ROOT = Path(__file__).parent.parent
+CHECK_IDS = ["values", "cpu_storage", "no_sync", "nccl_sync_dist", "step_time", "metric_states", "metric_nccl_sync"]
+NO_CUDA = "needs CUDA, and no CUDA device was found: "
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what a machine without CUDA gives")
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """``python -m lightning_store --json -`` run for real, in an empty directory, with its own empty TMPDIR."""
+    cwd, tmp = tmp_path_factory.mktemp("cwd"), tmp_path_factory.mktemp("tmp")
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    process = subprocess.run(
+        [sys.executable, "-m", "lightning_store", "--json", "-"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    return process, cwd, tmp
+
+
+def _fake_checks(*checks):
+    return [Check(id_, title, run) for id_, title, run in checks]
+
+
+def _raise(_context):
+    raise RuntimeError("boom in the check")
+
+
+def _skip(_context):
+    raise Skip("not here")
+
+
+def test_the_cli_writes_the_documented_json_and_nothing_else_to_stdout(cli_run):
+    process, _, _ = cli_run
+    document = json.loads(process.stdout)  # the whole of stdout is one JSON document
+    assert process.returncode == document["exit_code"] == 0, process.stderr[-3000:]
+    assert list(document) == ["schema", "exit_code", "accelerator", "seconds", "environment", "summary", "checks"]
+    assert document["schema"] == 1
+    assert document["accelerator"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert isinstance(document["seconds"], float) and 0 < document["seconds"] < 60
+    env = document["environment"]
+    assert list(env)[:8] == [
+        "python",
+        "platform",
+        "torch",
+        "accelerators",
+        "pytorch-lightning",
+        "lightning",
+        "torchmetrics",
+        "lightning-store",
+    ]
+    assert env["torch"].startswith(torch.__version__) and env["lightning-store"].startswith(lightning_store.__version__)
+    assert [check["id"] for check in document["checks"]] == CHECK_IDS
+    for check in document["checks"]:
+        assert list(check) == ["id", "title", "status", "detail", "seconds", "data"]
+        assert check["status"] in {"PASS", "FAIL", "SKIP", "INFO"}
+        assert isinstance(check["detail"], str) and check["detail"]
+        assert isinstance(check["seconds"], float) and isinstance(check["data"], dict)
+    statuses = [check["status"] for check in document["checks"]]
+    assert document["summary"] == {status: statuses.count(status) for status in ("PASS", "FAIL", "SKIP", "INFO")}
+
+
+@cpu_only
+def test_on_a_machine_without_cuda_the_cpu_checks_pass_and_the_cuda_checks_skip_with_their_reason(cli_run):
+    process, _, _ = cli_run
+    checks = {check["id"]: check for check in json.loads(process.stdout)["checks"]}
+    assert checks["values"]["status"] == "PASS" and "bit for bit" in checks["values"]["detail"]
+    assert checks["values"]["data"]["compared"] > 100 and checks["values"]["data"]["different"] == []
+    storage = checks["cpu_storage"]
+    assert storage["status"] == "PASS" and storage["data"]["accelerator_bytes"] == 0
+    assert {row["device"] for row in storage["data"]["storage_report"]} == {"cpu"}
+    assert {row["store_on_cpu"] for row in storage["data"]["storage_report"]} == {True}
+    assert checks["no_sync"]["status"] == "SKIP"
+    assert checks["no_sync"]["detail"] == NO_CUDA + "host syncs are counted with torch.cuda.set_sync_debug_mode"
+    assert checks["nccl_sync_dist"]["status"] == "SKIP"
+    assert checks["nccl_sync_dist"]["detail"] == NO_CUDA + "NCCL runs on CUDA devices only"
+    timing = checks["step_time"]
+    assert timing["status"] == "INFO" and timing["data"]["ratio"] > 0
+    assert len(timing["data"]["stored_step_s"]) == len(timing["data"]["plain_step_s"]) == _timing.ROUNDS
+    if hasattr(lightning_store, "store_states_on_cpu"):
+        assert checks["metric_states"]["status"] == "PASS", checks["metric_states"]["detail"]
+        assert checks["metric_states"]["data"]["accelerator_bytes"] == 0
+        assert checks["metric_states"]["data"]["state_tensors"] > 0
+        assert checks["metric_nccl_sync"]["detail"] == NO_CUDA + "NCCL runs on CUDA devices only"
+    else:
+        assert checks["metric_states"]["status"] == checks["metric_nccl_sync"]["status"] == "SKIP"
+
+
+def test_the_cli_leaves_no_file_behind(cli_run):
+    _, cwd, tmp = cli_run
+    assert list(cwd.iterdir()) == []  # no lightning_logs/, no checkpoints
+    assert list(tmp.iterdir()) == []  # the fits' temporary directory is gone
+
+
+def test_the_text_report_has_an_environment_block_a_line_per_check_and_a_summary(monkeypatch, capsys):
+    monkeypatch.setattr(
+        _checks,
+        "CHECKS",
+        _fake_checks(
+            ("one", "first check", lambda _: Outcome("PASS", "fine", table="a  b\n1  2")),
+            ("two", "second check", _skip),
+            ("three", "a figure", lambda _: Outcome("INFO", "ratio 1.00")),
+        ),
+    )
+    assert _cli.main(["--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "lightning-store self-check"
+    assert lines[2].startswith("python ") and "fits run on        cpu" in lines
+    checks = lines[lines.index("fits run on        cpu") + 2 :]
+    assert checks[:5] == [
+        "PASS  first check".ljust(40) + "fine",
+        "      a  b",
+        "      1  2",
+        "SKIP  second check".ljust(40) + "(not here)",
+        "INFO  a figure".ljust(40) + "ratio 1.00",
+    ]
+    assert checks[-1].startswith("ok: 3 checks in ") and checks[-1].endswith(" 1 passed, 0 failed, 1 skipped, 1 figure")
+
+
+def test_an_exception_inside_a_check_is_a_fail_with_its_message_the_others_still_run_and_the_exit_code_is_1(
+    monkeypatch, tmp_path, capsys
+):
+    ran = []
+    monkeypatch.setattr(
+        _checks,
+        "CHECKS",
+        _fake_checks(
+            ("before", "before", lambda _: ran.append("before") or Outcome("PASS", "fine")),
+            ("boom", "raises", _raise),
+            ("after", "after", lambda _: ran.append("after") or Outcome("PASS", "fine")),
+        ),
+    )
+    out = tmp_path / "selfcheck.json"
+    assert _cli.main(["--json", str(out), "--device", "cpu"]) == 1
+    assert ran == ["before", "after"]
+    document = json.loads(out.read_text())
+    assert document["exit_code"] == 1 and document["summary"] == {"PASS": 2, "FAIL": 1, "SKIP": 0, "INFO": 0}
+    failed = document["checks"][1]
+    assert failed["status"] == "FAIL" and failed["detail"] == "RuntimeError: boom in the check"
+    assert "raise RuntimeError" in failed["data"]["traceback"]
+    text = capsys.readouterr().out
+    assert "FAIL  raises".ljust(40) + "RuntimeError: boom in the check" in text.splitlines()
+    assert "FAILED: 3 checks in " in text and " 2 passed, 1 failed, 0 skipped, 0 figures" in text
+
+
+def test_a_real_check_that_finds_a_difference_fails_and_the_exit_code_is_1(monkeypatch, capsys):
+    """The values check, on real fits, with a model whose CPU-stored run logs one value off by one."""
+
+    class SkewedModel(_values.ValuesModel):
+        def _log(self, name, value, **kwargs):
+            super()._log(name, value + 1 if self.store and name == "x_max" else value, **kwargs)
+
+    monkeypatch.setattr(_values, "ValuesModel", SkewedModel)
+    monkeypatch.setattr(_checks, "CHECKS", [check for check in _checks.CHECKS if check.id == "values"])
+    assert _cli.main(["--json", "-", "--device", "cpu"]) == 1
+    (check,) = json.loads(capsys.readouterr().out)["checks"]
+    assert check["status"] == "FAIL" and "values differ" in check["detail"] and "x_max" in check["detail"]
+    assert all("x_max" in different for different in check["data"]["different"])
+
+
+def test_the_cuda_checks_skip_with_their_reason_when_the_fits_run_on_the_cpu(tmp_path):
+    context = Context("cpu", tmp_path)
+    why_not = "no CUDA device was found" if not torch.cuda.is_available() else "--device cpu"
+    for check_id, what in [
+        ("no_sync", "host syncs are counted with torch.cuda.set_sync_debug_mode"),
+        ("nccl_sync_dist", "NCCL runs on CUDA devices only"),
+        ("metric_nccl_sync", "NCCL runs on CUDA devices only"),
+    ]:
+        (check,) = [check for check in _checks.CHECKS if check.id == check_id]
+        result = run_check(check, context)
+        assert (result.status, result.detail) == ("SKIP", f"needs CUDA, and {why_not}: {what}"), check_id
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("stored_syncs", "status"), [(lambda step: 0, "PASS"), (lambda step: 1 if step == 5 else 0, "FAIL")]
+)
+def test_the_sync_check_counts_per_call_and_fails_on_a_sync_after_the_first_step(
+    monkeypatch, tmp_path, stored_syncs, status
+):
+    """Check 3 on the CPU, its sync counter replaced (torch counts syncs on CUDA only): the fit and the verdict."""
+    steps = []
+
+    def fake_host_syncs(call, blocked):
+        call()
+        if call.args == ("cpu_0",):
+            steps.append(len(steps))
+        return stored_syncs(steps[-1]) if call.keywords.get("store_on_cpu") else 0
+
+    monkeypatch.setattr(_cuda, "host_syncs", fake_host_syncs)
+    monkeypatch.setattr(_cuda, "require_cuda", lambda *args: None)
+    outcome = _cuda.check_no_sync(Context("cpu", tmp_path))
+    assert outcome.status == status, outcome.detail
+    assert outcome.data["plain_syncs_per_step"] == [0] * _cuda.STEPS
+    assert outcome.data["stored_syncs_per_step"] == [10 * stored_syncs(step) for step in range(_cuda.STEPS)]
+    found = 10 if status == "FAIL" else 0
+    assert outcome.detail.startswith(f"{found} host syncs in self.log(..., store_on_cpu=True) after the first step")
+    assert "(29 steps x 10 keys); first step, where Lightning registers the keys: 0 and 0" in outcome.detail
+    assert ("more than plain self.log at steps [5]" in outcome.detail) == (status == "FAIL")
+
+
+@pytest.mark.parametrize("check_id", ["metric_states", "metric_nccl_sync"])
+def test_the_metric_checks_skip_without_store_states_on_cpu(monkeypatch, tmp_path, check_id):
+    monkeypatch.delattr(lightning_store, "store_states_on_cpu", raising=False)
+    (check,) = [check for check in _checks.CHECKS if check.id == check_id]
+    result = run_check(check, Context("cuda", tmp_path))
+    expected = f"lightning_store.store_states_on_cpu is not in lightning-store {lightning_store.__version__}"
+    assert (result.status, result.detail) == ("SKIP", expected)
+
+
+def test_the_sync_dist_check_runs_one_process_ddp_fits_and_leaves_no_process_group_behind(tmp_path):
+    """The body of the NCCL check, on gloo: what a GPU machine runs, but for the backend."""
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    outcome = _cuda.sync_dist_outcome(Context("cpu", tmp_path), expected_backend="gloo")
+    assert outcome.status == "PASS", outcome.detail
+    assert outcome.data["backend"] == "gloo" and outcome.data["values"]["different"] == []
+    assert outcome.data["from_cpu"]["compared"] > 10  # the value logged from the CPU, every step and the epoch
+    assert not torch.distributed.is_initialized()
+    assert dict(os.environ) == environ and torch.get_num_threads() == threads
+    # the same fits, expecting NCCL: the check tells a run on another backend
+    failed = _cuda.sync_dist_outcome(Context("cpu", tmp_path), expected_backend="nccl")
+    assert failed.status == "FAIL" and "process-group backends 'gloo' and 'gloo', not 'nccl'" in failed.detail
+
+
+@pytest.mark.skipif(not hasattr(lightning_store, "store_states_on_cpu"), reason="no store_states_on_cpu yet")
+def test_the_metric_sync_check_runs_one_process_ddp_fits_on_gloo(tmp_path):
+    outcome = _metric.metric_sync_outcome(Context("cpu", tmp_path), lightning_store.store_states_on_cpu, "gloo")
+    assert outcome.status == "PASS", outcome.detail
+    assert outcome.data["backend"] == "gloo" and outcome.data["accelerator_bytes"] == 0
+    assert not torch.distributed.is_initialized()
+
+
+def test_help_documents_json_and_the_exit_status(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--json PATH" in text and "'-' writes them to stdout" in text
+    assert "exit status: 0 when every check that ran passed, 1 when one failed, 2 for a usage error." in text
+
+
+@cpu_only
+def test_asking_for_a_device_that_is_not_there_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(["--device", "cuda"])
+    assert exit_.value.code == 2
+    assert "--device cuda: no such device is available here" in capsys.readouterr().err
+
+
+def test_json_has_no_nan_and_no_sets():
+    assert _render._jsonable({"a": float("nan"), "b": {2, 1}, "c": (1, float("inf"))}) == {
+        "a": None,
+        "b": [1, 2],
+        "c": [1, None],
+    }
