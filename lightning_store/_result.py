@@ -51,6 +51,8 @@ class _StoredOnCPU:
     _buffer: _CopyBuffer
     _sync_device: torch.device
     _sync_runs: bool  # whether the key is reduced across processes
+    _batch_size: int = -1  # and `_batch_size_tensor`, the last batch size as a tensor (see `_as_tensor`)
+    _batch_size_tensor: Tensor
     _step_value: Tensor | None = None
 
     @classmethod
@@ -116,14 +118,33 @@ class _StoredOnCPU:
             self._buffer.put(value, lambda landed: self._accumulate(landed, batch_size))
 
     def _accumulate(self, value: Tensor, batch_size: int) -> None:
+        # the same operations, in the same order, as Lightning's `_ResultMetric.update`; the sums are taken in place
+        # where no type promotion is due (the state is this result's own, made by `adopt` or `reset`): the same
+        # values, without a new tensor per step
         meta = self.meta
         if meta.is_mean_reduction:
-            # the same operations, in the same order, as Lightning's `_ResultMetric.update`
-            self.value = self.value + value * batch_size
-            self.cumulated_batch_size = self.cumulated_batch_size + batch_size
+            size = self._as_tensor(batch_size)
+            self._add(value * size)
+            self.cumulated_batch_size.add_(size)
         elif meta.is_max_reduction or meta.is_min_reduction:
             self.value = meta.reduce_fx(self.value, value)
         elif meta.is_sum_reduction:
+            self._add(value)
+
+    def _as_tensor(self, batch_size: int) -> Tensor:
+        """``batch_size`` as a CPU tensor, made again only when it changes.
+
+        Arithmetic with a tensor is faster than with a Python number, and gives the same values: the number is
+        converted to the tensor's dtype either way.
+        """
+        if batch_size != self._batch_size:
+            self._batch_size, self._batch_size_tensor = batch_size, torch.as_tensor(batch_size)
+        return self._batch_size_tensor
+
+    def _add(self, value: Tensor) -> None:
+        if value.dtype is self.value.dtype:
+            self.value.add_(value)
+        else:  # Lightning promotes: a float32 sum of float64 values becomes float64
             self.value = self.value + value
 
     def _set_value(self, value: Tensor) -> None:
