@@ -8,7 +8,8 @@ from lightning_store._compat import _check_lightning_version, _installed_version
 try:
     import lightning.pytorch as _lightning_pytorch
 except ImportError as err:
-    if _installed_version("lightning") is None:
+    installed = _installed_version("lightning")
+    if installed is None:
         raise ImportError(
             "`lightning_store.lightning` is for the `lightning` package, which is not installed."
             " HINT: pip install lightning, or use `lightning_store.Trainer` with `pytorch_lightning`."
@@ -22,8 +23,7 @@ except ImportError as err:
         else " HINT: fix the error above, which `import lightning.pytorch` raises on its own."
     )
     raise ImportError(
-        f"`lightning` {_installed_version('lightning')} is installed, but `import lightning.pytorch` failed: {err}."
-        + hint
+        f"`lightning` {installed} is installed, but `import lightning.pytorch` failed: {err}." + hint
     ) from err
 
 from lightning_store._flag import _init_with_flag, _MoveMetricsToCPUFlag

@@ -1,7 +1,11 @@
 """Modules, data, a recording logger and a manual transfer, shared by the tests and the DDP worker script."""
 
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -20,6 +24,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def start_worker(worker: Path, out: Path, **env: str) -> subprocess.Popen:
+    """Start ``worker`` (a script beside this file) on ``out``, in a process group of its own, on the loopback.
+
+    The environment is this one's, with this checkout on ``PYTHONPATH``, no rank variables but those in ``env``.
+    """
+    full = {**os.environ, "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        full.pop(name, None)
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(worker.parent.parent), full.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [sys.executable, str(worker), str(out)],
+        env={**full, **env},
+        cwd=worker.parent,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def loader(n: int = 10, batch_size: int = 4, seed: int = 0) -> DataLoader:

@@ -3,11 +3,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _support import REDUCTIONS, free_port
+from _support import REDUCTIONS, free_port, start_worker
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
 STEPS = 3
@@ -18,19 +17,7 @@ TIMEOUT_S = 240
 def ddp_run(tmp_path_factory):
     """Both ranks' records of one 2-process DDP fit on gloo; the process group is killed if it hangs."""
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKER.parent.parent), env.get("PYTHONPATH")]))
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        env.pop(name, None)
-    process = subprocess.Popen(
-        [sys.executable, str(WORKER), str(out)],
-        env=env,
-        cwd=WORKER.parent,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = start_worker(WORKER, out, MASTER_PORT=str(free_port()))
     try:
         output, _ = process.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from _support import ManualTransfer, free_port, loader
+from _support import ManualTransfer, free_port, loader, start_worker
 from torchmetrics import CatMetric, MeanMetric, MetricCollection, SpearmanCorrCoef
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision
 from torchmetrics.retrieval import RetrievalMAP
@@ -435,19 +435,7 @@ def ddp_results(tmp_path_factory):
     port = str(free_port())
     processes = []
     for rank in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKER.parent.parent), env.get("PYTHONPATH")]))
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(out)],
-                env=env,
-                cwd=WORKER.parent,
-                start_new_session=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        processes.append(start_worker(WORKER, out, MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2"))
     outputs = []
     try:
         for process in processes:
