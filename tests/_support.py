@@ -1,13 +1,21 @@
-"""Modules, data, a recording logger and a manual transfer, shared by the tests and the DDP worker script."""
+"""Modules, data, a recording logger and a manual transfer, shared by the tests and the DDP worker scripts; and the
+one runner of multi-process tests, :func:`run_workers`."""
 
+import contextlib
+import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import Logger
@@ -18,32 +26,136 @@ from lightning_store import StoreOnCPUMixin
 REDUCTIONS = ("mean", "sum", "max", "min")
 LEVELS = ((True, False), (False, True), (True, True))  # (on_step, on_epoch)
 
+# The bound after which a multi-process run is failed as a hang. It guards against a hang, it is not a speed test:
+# a run that takes 20 to 60 s on a quiet 2-core machine must still meet it on that machine three times oversubscribed.
+HANG_S = 600.0
+PORT_ATTEMPTS = 3  # a rendezvous port taken between `free_port()` and the workers' bind: run again on a fresh one
+_PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+_GRACE_S = 10.0  # once a worker failed, how long the others get to end before they are killed
+_TAIL = 3000  # characters of each worker's output shown when a run fails
+
+
+@dataclass(frozen=True)
+class WorkerRun:
+    """How long a :func:`run_workers` call took, and in how many attempts (``tests/conftest.py`` prints them)."""
+
+    worker: str
+    world_size: int
+    seconds: float
+    attempts: int
+
+
+RUNS: list[WorkerRun] = []  # every run of this session, for the summary at its end
+
 
 def free_port() -> int:
-    """A TCP port on the loopback that nothing listens on, for a process group's rendezvous."""
+    """A TCP port on the loopback that nothing listens on now, for a process group's rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
-def start_worker(worker: Path, out: Path, **env: str) -> subprocess.Popen:
-    """Start ``worker`` (a script beside this file) on ``out``, in a process group of its own, on the loopback.
+def run_workers(
+    worker: Path, out: Path, *, world_size: int = 2, one_process_launches_all: bool = False, **env: str
+) -> list[dict[str, Any]]:
+    """Run ``worker`` as a ``world_size``-process group on the loopback; return what each rank wrote.
 
-    The environment is this one's, with this checkout on ``PYTHONPATH``, no rank variables but those in ``env``.
+    Each process runs ``python WORKER OUT`` in a process group of its own, with this checkout on ``PYTHONPATH``,
+    ``MASTER_ADDR``/``MASTER_PORT`` set to a free loopback port and no rank variables but those given here. Its
+    output goes to ``OUT/worker{i}.log``. A run that fails because its port was taken after it was probed
+    ("address already in use") is run again on a fresh port, up to ``PORT_ATTEMPTS`` times in all. A run is failed
+    (``pytest.fail``, with the time it took and the tail of every worker's output) when a worker exits non-zero or
+    when the whole run has not ended within ``HANG_S``; every process group is killed when it ends, whatever happens.
+
+    Args:
+        worker: a script beside this file, run as ``python WORKER OUT``.
+        out: the directory the ranks write ``rank{r}.json`` into (and the logs).
+        world_size: the number of ranks.
+        one_process_launches_all: start one process, which starts the other ranks itself (Lightning's DDP
+            strategy); otherwise start one process per rank, with ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` set.
+        **env: more environment variables for every process.
+
+    Returns:
+        ``json.loads`` of ``OUT/rank{r}.json`` for each rank ``r``, in rank order.
     """
+    started = time.monotonic()
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        for stale in out.glob("rank*.json"):
+            stale.unlink()
+        launches = [{}] if one_process_launches_all else [_rank_env(rank, world_size) for rank in range(world_size)]
+        port = str(free_port())
+        logs = [out / f"worker{index}.log" for index in range(len(launches))]
+        processes = [
+            _start(worker, out, log, {**env, **extra, "MASTER_PORT": port})
+            for log, extra in zip(logs, launches, strict=True)
+        ]
+        try:
+            codes = _wait(processes, deadline=started + HANG_S)
+        finally:
+            for process in processes:
+                _kill(process)  # a rank left behind must not outlive the run
+        outputs = [log.read_text(errors="replace") for log in logs]
+        what = f"the {world_size}-process run of {worker.name} (attempt {attempt} of {PORT_ATTEMPTS}, port {port})"
+        if None in codes and all(code in (None, 0) for code in codes):  # nothing failed: it hangs
+            pytest.fail(f"{what} did not end within the hang bound of {HANG_S:.0f} s{_tails(codes, outputs, started)}")
+        if all(code == 0 for code in codes):
+            break
+        if attempt == PORT_ATTEMPTS or not any(_PORT_TAKEN.search(output) for output in outputs):
+            pytest.fail(f"{what} failed{_tails(codes, outputs, started)}")
+    RUNS.append(WorkerRun(worker.name, world_size, round(time.monotonic() - started, 1), attempt))
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _rank_env(rank: int, world_size: int) -> dict[str, str]:
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
+
+
+def _start(worker: Path, out: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
     full = {**os.environ, "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         full.pop(name, None)
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(worker.parent.parent), full.get("PYTHONPATH")]))
-    return subprocess.Popen(
-        [sys.executable, str(worker), str(out)],
-        env={**full, **env},
-        cwd=worker.parent,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    with log.open("w") as sink:  # the child keeps its own handle: no pipe to fill up and block it
+        return subprocess.Popen(
+            [sys.executable, str(worker), str(out)],
+            env={**full, **env},
+            cwd=worker.parent,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait(processes: list[subprocess.Popen], deadline: float) -> list[int | None]:
+    """Exit codes once every process ended; ``None`` for one still running at the deadline.
+
+    Once one has failed, the others (which may wait for it in a collective) get ``_GRACE_S`` to end.
+    """
+    while True:
+        codes = [process.poll() for process in processes]
+        if None not in codes:
+            return codes
+        if any(code not in (None, 0) for code in codes):
+            deadline = min(deadline, time.monotonic() + _GRACE_S)
+        if time.monotonic() > deadline:
+            return codes
+        time.sleep(0.1)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _tails(codes: list[int | None], outputs: list[str], started: float) -> str:
+    text = f" after {time.monotonic() - started:.1f} s (hang bound {HANG_S:.0f} s)."
+    for index, (code, output) in enumerate(zip(codes, outputs, strict=True)):
+        state = "still running, killed" if code is None else f"exit code {code}"
+        text += f"\n--- worker {index} ({state}), the last {_TAIL} characters of its output:\n{output[-_TAIL:]}"
+    return text
 
 
 def loader(n: int = 10, batch_size: int = 4, seed: int = 0) -> DataLoader:

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -28,3 +30,16 @@ def quiet_trainer_kwargs(tmp_path):
 
 def requires_cuda(fn):
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How long each multi-process run took (slowest first): the figure to hold against ``_support.HANG_S``."""
+    support = sys.modules.get("_support")
+    if support is None or not support.RUNS:
+        return
+    terminalreporter.section("multi-process runs")
+    for run in sorted(support.RUNS, key=lambda run: -run.seconds):
+        terminalreporter.line(
+            f"{run.seconds:6.1f} s  {run.worker}, {run.world_size} processes, {run.attempts} attempt(s)"
+            f" (hang bound {support.HANG_S:.0f} s)"
+        )

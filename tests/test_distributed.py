@@ -1,34 +1,16 @@
-import contextlib
-import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
-from _support import REDUCTIONS, free_port, start_worker
+from _support import REDUCTIONS, run_workers
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
 STEPS = 3
-TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    """Both ranks' records of one 2-process DDP fit on gloo; the process group is killed if it hangs."""
-    out = tmp_path_factory.mktemp("ddp")
-    process = start_worker(WORKER, out, MASTER_PORT=str(free_port()))
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the DDP run did not finish in {TIMEOUT_S} s:\n{output[-4000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # a rank left behind must not outlive the test
-    assert process.returncode == 0, output[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    """Both ranks' records of one 2-process DDP fit on gloo (Lightning starts the second rank)."""
+    return run_workers(WORKER, tmp_path_factory.mktemp("ddp"), one_process_launches_all=True)
 
 
 def _expected(reduce_fx: str, level: str) -> float:

@@ -1,10 +1,7 @@
-import contextlib
 import copy
 import functools
 import json
-import os
 import pickle
-import signal
 import subprocess
 import sys
 import warnings
@@ -13,7 +10,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from _support import ManualTransfer, free_port, loader, start_worker
+from _support import ManualTransfer, loader, run_workers
 from torchmetrics import CatMetric, MeanMetric, MetricCollection, SpearmanCorrCoef
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision
 from torchmetrics.retrieval import RetrievalMAP
@@ -28,7 +25,6 @@ from lightning_store import (
 from lightning_store import metric_states as ms
 
 WORKER = Path(__file__).with_name("_metric_ddp_worker.py")
-TIMEOUT_S = 120
 SIZES = (5, 7, 3, 6)  # uneven batches
 
 
@@ -430,26 +426,8 @@ def test_in_a_trainer_values_are_those_of_the_metric_on_its_device(quiet_trainer
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    """Both ranks' records of the scenarios in ``_metric_ddp_worker.py``; the process group is killed if it hangs."""
-    out = tmp_path_factory.mktemp("metric_ddp")
-    port = str(free_port())
-    processes = []
-    for rank in (0, 1):
-        processes.append(start_worker(WORKER, out, MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2"))
-    outputs = []
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=TIMEOUT_S)
-            outputs.append(output)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the 2-process run did not finish in {TIMEOUT_S} s")
-    finally:
-        for process in processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)  # a rank left behind must not outlive the test
-    for process, output in zip(processes, outputs, strict=True):
-        assert process.returncode == 0, output[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    """Both ranks' records of the scenarios in ``_metric_ddp_worker.py``, one process per rank."""
+    return run_workers(WORKER, tmp_path_factory.mktemp("metric_ddp"))
 
 
 @pytest.mark.distributed

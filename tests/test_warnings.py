@@ -5,6 +5,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from _support import HANG_S
 
 from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUWarning, StorePolicyError
 from lightning_store.warnings import _deprecate_once, _warn_once
@@ -64,7 +65,7 @@ def _run_with_default_filters(tmp_path, main):
     tests, root = Path(__file__).parent, Path(__file__).parent.parent
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(tests), str(root)])
     result = subprocess.run(
-        [sys.executable, "-c", main], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", main], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "another deprecation" not in result.stderr
