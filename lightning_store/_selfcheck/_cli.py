@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -12,6 +13,7 @@ from typing import TextIO
 from . import _checks
 from ._core import Context, run_check
 from ._env import best_accelerator, environment
+from ._fits import own_defaults
 from ._render import check_line, environment_block, exit_code, json_document, summary_line
 
 _DESCRIPTION = """\
@@ -22,7 +24,10 @@ _EPILOG = "exit status: 0 when every check that ran passed, 1 when one failed, 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the self-check; return the exit status (0: every check that ran passed, 1: one failed).
+    """Run the self-check; return the exit status (0: every check that ran passed, 1: one failed, 2: usage).
+
+    The user's ``PL_TRAINER_*`` defaults are set aside during the fits (the environment block lists them as ignored):
+    each check runs the fits it describes.
 
     Args:
         argv: the command-line arguments (``sys.argv[1:]`` when ``None``).
@@ -37,20 +42,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = {**environment(), "fits run on": accelerator}
     _print(out, f"lightning-store self-check\n\n{environment_block(env)}\n")
     results = []
-    with tempfile.TemporaryDirectory(prefix="lightning-store-selfcheck-") as root:
+    with tempfile.TemporaryDirectory(prefix="lightning-store-selfcheck-") as root, own_defaults():
         context = Context(accelerator, Path(root))
         for check in list(_checks.CHECKS):
             results.append(run_check(check, context))
             _print(out, check_line(results[-1]))
     seconds = time.perf_counter() - started
-    _print(out, f"\n{summary_line(results, seconds)}")
+    wall = seconds_since_start()
+    _print(out, f"\n{summary_line(results, seconds, wall)}")
     if args.json is not None:
-        text = json.dumps(json_document(env, accelerator, results, seconds), indent=2)
+        text = json.dumps(json_document(env, accelerator, results, seconds, wall), indent=2)
         if args.json == "-":
             print(text, flush=True)
         else:
-            Path(args.json).write_text(text + "\n")
+            try:
+                Path(args.json).write_text(text + "\n")
+            except OSError as err:  # checked before the checks ran, but the disk may have changed since
+                print(f"{parser.prog}: error: --json {args.json}: cannot write it: {err.strerror}", file=sys.stderr)
+                return 2
     return exit_code(results)
+
+
+def seconds_since_start() -> float | None:
+    """Wall time since this process started (imports included), from ``/proc``; ``None`` where there is none."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            fields = stat.read().rpartition(")")[2].split()  # the command name, in parentheses, may hold spaces
+            started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: clock ticks after boot
+            now = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return now - started if now >= started else None
+
+
+def _json_path(value: str) -> str:
+    """``--json``'s argument, refused before any check runs if the report could not be written there."""
+    if value == "-":
+        return value
+    path = Path(value)
+    parent = path.parent
+    problem = ""
+    if path.is_dir():
+        problem = "is a directory; give a file name, such as " + str(path / "selfcheck.json")
+    elif not parent.exists():
+        problem = f"its directory {parent} does not exist; create it first"
+    elif not parent.is_dir():
+        problem = f"{parent} is not a directory"
+    elif path.exists() and not os.access(path, os.W_OK):
+        problem = "the file exists and is not writable"
+    elif not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        problem = f"its directory {parent} is not writable"
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write the report to {value}: {problem}")
+    return value
 
 
 def _print(out: TextIO | None, text: str) -> None:
@@ -68,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json",
         metavar="PATH",
+        type=_json_path,
         help="also write the results as JSON to PATH; '-' writes them to stdout instead of the text report",
     )
     parser.add_argument(

@@ -1,5 +1,6 @@
-"""The environment a bug report needs: Python, platform, torch and its CUDA/NCCL build, accelerators, packages."""
+"""The environment a bug report needs, and what changes the fits: ``PL_*`` variables, CUDA devices, threads."""
 
+import os
 import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -21,7 +22,36 @@ def environment() -> dict[str, str]:
         "lightning": _package_version("lightning"),
         "torchmetrics": _package_version("torchmetrics"),
         "lightning-store": f"{lightning_store.__version__} ({Path(lightning_store.__file__).parent})",
+        "PL_* variables": _lightning_variables(),
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "not set"),
+        "torch CPU threads": _threads(),
     }
+
+
+def trainer_defaults() -> list[str]:
+    """The ``PL_TRAINER_*`` variables set here: defaults that Lightning gives every Trainer it makes."""
+    return sorted(name for name in os.environ if name.startswith("PL_TRAINER_"))
+
+
+def _lightning_variables() -> str:
+    """Every ``PL_*`` variable set, ``PL_TRAINER_*`` ones marked as ignored by the fits (:func:`_fits.own_defaults`)."""
+    ignored = set(trainer_defaults())
+    shown = [
+        f"{name}={os.environ[name]}" + (" (ignored by the fits)" if name in ignored else "")
+        for name in sorted(os.environ)
+        if name.startswith("PL_")
+    ]
+    return ", ".join(shown) or "none set"
+
+
+def _threads() -> str:
+    """Torch's intra-op threads, of how many CPUs this process may use, and the variable that set them, if any."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    text = f"{torch.get_num_threads()} (of {cpus} CPUs this process may use"
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if name in os.environ:
+            text += f", {name}={os.environ[name]}"
+    return text + ")"
 
 
 def best_accelerator() -> str:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_store.warnings import StoreOnCPUDeprecationWarning, StoreOnCPUWarning
 
 from ._core import Context, Skip
+from ._env import trainer_defaults
 
 _LIGHTNING_LOGGERS = ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric")
 # what a launcher or a cluster sets, and what a one-process run must neither inherit nor leave behind
@@ -73,6 +74,20 @@ def quiet() -> Iterator[list[str]]:
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+@contextlib.contextmanager
+def own_defaults() -> Iterator[None]:
+    """Keep the user's ``PL_TRAINER_*`` defaults out of the fits, so each check runs the fits it describes.
+
+    Lightning applies ``PL_TRAINER_LIMIT_VAL_BATCHES=0``, say, to every Trainer, and a check would then compare
+    fewer keys than it says. The variables are restored afterwards; the environment block lists them as ignored.
+    """
+    saved = {name: os.environ.pop(name) for name in trainer_defaults()}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 @contextlib.contextmanager

@@ -28,14 +28,25 @@ def check_line(result: CheckResult) -> str:
     return line
 
 
-def summary_line(results: Iterable[CheckResult], seconds: float) -> str:
-    """How many checks passed, failed, were skipped or gave a figure, and how long it all took."""
+def summary_line(results: Iterable[CheckResult], seconds: float, wall: float | None) -> str:
+    """How many checks passed, failed, were skipped or gave a figure, and how long it all took.
+
+    Args:
+        results: the checks' results.
+        seconds: the time the checks took.
+        wall: the wall time since the process started (imports included), or ``None`` if it is not known.
+    """
     results = list(results)
     counts = Counter(result.status for result in results)
     verdict = "FAILED" if counts["FAIL"] else "ok"
+    took = (
+        f"{seconds:.1f} s in the checks (the time since the process started is not known here)"
+        if wall is None
+        else f"{wall:.1f} s since the process started, imports included ({seconds:.1f} s in the checks)"
+    )
     return (
-        f"{verdict}: {len(results)} checks in {seconds:.1f} s: {counts['PASS']} passed, {counts['FAIL']} failed,"
-        f" {counts['SKIP']} skipped, {counts['INFO']} figure{'s' if counts['INFO'] != 1 else ''}"
+        f"{verdict}: {len(results)} checks: {counts['PASS']} passed, {counts['FAIL']} failed,"
+        f" {counts['SKIP']} skipped, {counts['INFO']} figure{'s' if counts['INFO'] != 1 else ''}; {took}"
     )
 
 
@@ -45,9 +56,13 @@ def exit_code(results: Iterable[CheckResult]) -> int:
 
 
 def json_document(
-    env: Mapping[str, str], accelerator: str, results: list[CheckResult], seconds: float
+    env: Mapping[str, str], accelerator: str, results: list[CheckResult], seconds: float, wall: float | None
 ) -> dict[str, Any]:
-    """What ``--json`` writes: the environment, the device, each check, the counts and the exit code."""
+    """What ``--json`` writes: the environment, the device, each check, the counts and the exit code.
+
+    ``seconds`` is the time the checks took; ``wall_seconds`` the time since the process started (``None`` if not
+    known).
+    """
     counts = Counter(result.status for result in results)
     checks = [{k: v for k, v in asdict(result).items() if k != "table"} for result in results]
     document = {
@@ -55,6 +70,7 @@ def json_document(
         "exit_code": exit_code(results),
         "accelerator": accelerator,
         "seconds": round(seconds, 3),
+        "wall_seconds": None if wall is None else round(wall, 3),
         "environment": dict(env),
         "summary": {status: counts[status] for status in ("PASS", "FAIL", "SKIP", "INFO")},
         "checks": checks,
