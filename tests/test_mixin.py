@@ -445,3 +445,43 @@ def test_an_exception_that_ends_the_loop_leaves_nothing_pending(copies_land_late
         trainer.fit(Failing(store_on_cpu=True, check_storage=False), loader(n=20))
     assert copies_land_late.copies
     assert all(copy.waited and copy.released for copy in copies_land_late.copies)  # teardown drained them
+
+
+class _CompiledNetModel(StoreOnCPUMixin, pl.LightningModule):
+    """``torch.compile`` as Lightning documents it: the inner network compiled, ``training_step`` left to Python."""
+
+    def __init__(self, net, store_on_cpu):
+        super().__init__()
+        self.net, self.store = net, store_on_cpu
+        self.stored = []  # (class name, devices) of the key's stored result after each step
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.net(x).pow(2).mean()
+        self.log("loss", loss, on_step=True, on_epoch=True, store_on_cpu=self.store)
+        result = self.trainer._results["training_step.loss"]
+        self.stored.append((type(result).__name__, {t.device.type for t in stored_tensors(result)}))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_compiled_inner_network_logs_the_values_of_plain_logging_stored_on_the_cpu(quiet_trainer_kwargs):
+    net = torch.compile(torch.nn.Linear(3, 1))  # one compiled module for both fits: compiled once
+    initial = {name: value.clone() for name, value in net.state_dict().items()}
+    seen = {}
+    for store in (False, True):
+        net.load_state_dict(initial)
+        model = _CompiledNetModel(net, store)
+        recorder = RecordingLogger()
+        trainer = pl.Trainer(**{**quiet_trainer_kwargs, "logger": recorder}, max_epochs=2, log_every_n_steps=1)
+        trainer.fit(model, loader())
+        seen[store] = (dict(trainer.callback_metrics), recorder.history, model.stored)
+    assert_same(seen[True][0], seen[False][0])
+    assert [step for step, _ in seen[True][1]] == [step for step, _ in seen[False][1]]
+    for (_, stored), (_, plain) in zip(seen[True][1], seen[False][1], strict=True):
+        assert_same(stored, plain)
+    assert len(seen[True][2]) == 6  # 3 steps in each of 2 epochs
+    assert all(name.startswith("_StoredOnCPU") and devices == {"cpu"} for name, devices in seen[True][2])
+    assert all(not name.startswith("_StoredOnCPU") for name, _ in seen[False][2])
