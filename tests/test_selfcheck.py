@@ -277,6 +277,7 @@ def test_help_documents_json_and_the_exit_status(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--json PATH" in text and "'-' writes them to stdout" in text
     assert "exit status: 0 when every check that ran passed, 1 when one failed, 2 for a usage error." in text
+    assert "The fits ignore PL_TRAINER_* defaults (the report lists them)." in text
 
 
 @cpu_only
