@@ -89,8 +89,10 @@ def test_a_failed_worker_fails_the_run_with_the_time_and_every_workers_output(wo
 def test_a_run_past_the_hang_bound_is_killed_and_failed_with_its_output(worker, monkeypatch):
     path, out = worker
     (out / "hang").touch()
-    monkeypatch.setattr(_support, "HANG_S", 3.0)
-    with pytest.raises(pytest.fail.Exception, match=r"did not end within the hang bound of 3 s after [3-9]\.\d s"):
+    monkeypatch.setattr(_support, "HANG_S", 5.0)
+    with pytest.raises(
+        pytest.fail.Exception, match=r"did not end within the hang bound of 5 s after ([5-9]|1\d)\.\d s"
+    ):
         run_workers(path, out, world_size=2)
     pids = [int((out / f"pid-{rank}").read_text()) for rank in (0, 1)]
     assert not any(_alive(pid) for pid in pids)  # the process groups were killed
