@@ -8,18 +8,30 @@ syncs per update made by ``update`` (``torch.cuda.set_sync_debug_mode("warn")``)
 Metric's list states over the epoch (the peak, from the states themselves) and the device memory peak of a sync
 (``gather_on_device`` in a 1-process NCCL group, chunked).
 
+Sync (``--sync``): the wall time of syncing a list state kept one element per item (``dist_reduce_fx=None``, as
+the per-sentence, per-image and per-query states of torchmetrics), of 100, 1,000 and 10,000 elements of 1 to 64
+values each per process, configured vs plain, side by side in one run: 2 gloo processes on the CPU, or one NCCL
+process per GPU with ``--device cuda``. torchmetrics gathers such a list element by element; the configured Metric
+in a bounded number of collectives. The synced lists are checked equal, element by element.
+
     python benchmarks/metric_states.py [--updates 2000] [--batch 256]
     python benchmarks/metric_states.py --device cuda [--updates 2000] [--batch 4096]
+    python benchmarks/metric_states.py --sync [--device cuda]
 """
 
 import argparse
+import os
 import random
+import socket
 import statistics
 import tempfile
 import time
 import warnings
 
 import torch
+import torch.multiprocessing as mp
+from torch import Tensor
+from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_store import gather_on_device, store_states_on_cpu
@@ -113,13 +125,104 @@ def gpu(updates: int, batch: int) -> None:
         torch.distributed.destroy_process_group()
 
 
+class PerItem(Metric):
+    """A list state of one element per item, gathered by torchmetrics element by element."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("items", default=[], dist_reduce_fx=None)
+
+    def update(self, items: list[Tensor]) -> None:
+        self.items.extend(items)
+
+    def compute(self) -> Tensor:
+        return torch.stack([item.sum() for item in self.items]).sum()
+
+
+SYNC_COUNTS = (100, 1000, 10000)
+SYNC_REPEATS = 3
+
+
+def _timed_sync(metric: PerItem, device: torch.device) -> tuple[float, list[Tensor]]:
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    metric.sync()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    synced = [item.cpu() for item in metric.items]
+    metric.unsync()
+    return seconds, synced
+
+
+def _sync_worker(rank: int, world: int, port: int, backend: str, results: "mp.Queue[str]") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    for count in SYNC_COUNTS:
+        generator = torch.Generator().manual_seed(rank * 7 + count)
+        lengths = torch.randint(1, 65, (count,), generator=generator).tolist()
+        items = [torch.rand(n, generator=generator).to(device) for n in lengths]
+        seconds: dict[str, list[float]] = {"configured": [], "plain": []}
+        for _ in range(SYNC_REPEATS):
+            for variant in random.Random(count).sample(sorted(seconds), 2):
+                metric = store_states_on_cpu(PerItem()) if variant == "configured" else PerItem()
+                metric.update(items)
+                took, synced = _timed_sync(metric, device)
+                seconds[variant].append(took)
+                if variant == "plain":
+                    expected = synced
+                else:
+                    got = synced
+        assert len(got) == len(expected) and all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+        if rank == 0:
+            configured, plain = (statistics.median(seconds[v]) for v in ("configured", "plain"))
+            results.put(f"| {count:,} | {configured * 1e3:.1f} ms | {plain * 1e3:.1f} ms | {plain / configured:.1f}x |")
+    torch.distributed.destroy_process_group()
+
+
+def sync_rows(device: str) -> None:
+    if device == "cuda":
+        backend, world = "nccl", torch.cuda.device_count()
+        where = f"{world} NCCL process(es), one per GPU ({torch.cuda.get_device_name(0)})"
+    else:
+        backend, world = "gloo", 2
+        where = "2 gloo processes on the CPU"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=_sync_worker, args=(rank, world, port, backend, results)) for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=1800)
+        assert process.exitcode == 0, f"a sync worker failed (exit code {process.exitcode})"
+    print(f"Sync of a `dist_reduce_fx=None` list state, {where}, torch {torch.__version__};")
+    print(f"elements of 1 to 64 float32 values, the same number on every process; medians of {SYNC_REPEATS}\n")
+    print("| elements per process | configured | plain | plain / configured |")
+    print("| --- | --- | --- | --- |")
+    for _ in SYNC_COUNTS:
+        print(results.get())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--updates", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--sync", action="store_true", help="time the sync of a list of one element per item")
     args = parser.parse_args()
-    if args.device == "cuda":
+    if args.sync:
+        sync_rows(args.device)
+    elif args.device == "cuda":
         gpu(args.updates, args.batch)
     else:
         cpu_per_update(args.updates, args.batch)

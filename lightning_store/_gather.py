@@ -1,10 +1,13 @@
 """All-gather on the collective's device, in chunks of bounded size, for tensors of uneven sizes across ranks."""
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_store._policy import _type_name
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -31,7 +34,7 @@ def _check_chunk_bytes(chunk_bytes: Any) -> None:
     """Raise an error that says how to fix ``chunk_bytes`` unless it is a positive ``int``."""
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
         raise TypeError(
-            f"Expected chunk_bytes to be an int, got {chunk_bytes!r} ({type(chunk_bytes).__name__})."
+            f"Expected chunk_bytes to be an int, got {chunk_bytes!r} ({_type_name(chunk_bytes)})."
             f" HINT: pass a number of bytes, such as chunk_bytes={DEFAULT_CHUNK_BYTES} (the default)."
         )
     if chunk_bytes <= 0:
@@ -48,15 +51,21 @@ def _collective_device(tensor: Tensor, group: Any) -> torch.device:
     return tensor.device
 
 
-def _describe(tensor: Tensor, device: torch.device) -> Tensor:
-    """``[ndim, dtype, *shape]`` padded to a fixed length, with ``ndim`` ``-1`` for a rank with no element."""
+def _layout(tensor: Tensor) -> list[int]:
+    """``[ndim, dtype, *shape]``, the shape padded with zeros to ``_MAX_DIMS``."""
     if tensor.dtype not in _DTYPES:
         raise TypeError(f"gather_on_device cannot gather tensors of dtype {tensor.dtype}.")
     if tensor.ndim > _MAX_DIMS:
         raise ValueError(f"gather_on_device gathers tensors of at most {_MAX_DIMS} dimensions, got {tensor.ndim}.")
-    ndim = _NO_DATA if tensor.numel() == 0 else tensor.ndim
-    shape = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.ndim)
-    return torch.tensor([ndim, _DTYPES.index(tensor.dtype), *shape], dtype=torch.int64, device=device)
+    return [tensor.ndim, _DTYPES.index(tensor.dtype), *tensor.shape, *[0] * (_MAX_DIMS - tensor.ndim)]
+
+
+def _describe(tensor: Tensor, device: torch.device) -> Tensor:
+    """The layout of ``tensor``, with ``ndim`` ``-1`` for a rank with no element."""
+    layout = _layout(tensor)
+    if tensor.numel() == 0:
+        layout[0] = _NO_DATA
+    return torch.tensor(layout, dtype=torch.int64, device=device)
 
 
 def _gather(tensor: Tensor, group: Any, chunk_bytes: int) -> list[Tensor]:
@@ -134,3 +143,33 @@ def gather_on_device(
         group = torch.distributed.group.WORLD
     with torch.no_grad():
         return _gather(result.detach().contiguous(), group, chunk_bytes)
+
+
+def _gather_elements(elements: Sequence[Tensor], group: Any, chunk_bytes: int) -> list[list[Tensor]]:
+    """Every process's ``elements``, one list per rank, gathered in a bounded number of collectives.
+
+    The elements may differ in shape and dtype, and processes in their number of elements (none, too). Their
+    layouts are gathered in one :func:`_gather`, their bytes in another, each in chunks of at most ``chunk_bytes``;
+    each process's bytes are then split back into its elements, in order. This process's elements are returned as
+    they are; those of the others are tensors of their own on the device of ``elements`` (all on one device).
+    """
+    device = elements[0].device if elements else torch.device("cpu")
+    layouts = torch.tensor([_layout(e) for e in elements], dtype=torch.int64, device=device)
+    data = [e.detach().contiguous().reshape(-1).view(torch.uint8) for e in elements]
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        all_layouts = _gather(layouts.reshape(-1, 2 + _MAX_DIMS), group, chunk_bytes)
+        all_data = _gather(torch.cat(data) if data else empty, group, chunk_bytes)
+    me = torch.distributed.get_rank(group)
+    out = []
+    for rank, (rank_layouts, rank_data) in enumerate(zip(all_layouts, all_data, strict=True)):
+        if rank == me:
+            out.append(list(elements))
+            continue
+        kinds = [(_DTYPES[dtype], tuple(shape[:ndim])) for ndim, dtype, *shape in rank_layouts.tolist()]
+        pieces = torch.split(rank_data.reshape(-1), [math.prod(shape) * dtype.itemsize for dtype, shape in kinds])
+        # a piece of its own starts aligned, so its bytes can be viewed as its dtype
+        out.append(
+            [piece.clone().view(dtype).reshape(shape) for piece, (dtype, shape) in zip(pieces, kinds, strict=True)]
+        )
+    return out

@@ -22,6 +22,7 @@ from lightning_store import (
     storage_report,
     store_states_on_cpu,
 )
+from lightning_store import _states as states
 from lightning_store import metric_states as ms
 
 WORKER = Path(__file__).with_name("_metric_ddp_worker.py")
@@ -60,7 +61,7 @@ def _assert_equal(left, right):
 
 
 def _list_state_tensors(metric):
-    return [t for attr in ms._list_states(metric) for t in getattr(metric, attr)]
+    return [t for attr in states._list_states(metric) for t in getattr(metric, attr)]
 
 
 @pytest.mark.parametrize("name", sorted(METRICS))
@@ -76,7 +77,7 @@ def test_values_are_those_of_the_metric_kept_on_its_device(name, call):
             on_cpu.update(*args, **kwargs)
         assert all(t.device.type == "cpu" for t in _list_state_tensors(on_cpu))
     _assert_equal(plain.compute(), on_cpu.compute())
-    for attr in ms._list_states(plain):  # the same elements, in the same order
+    for attr in states._list_states(plain):  # the same elements, in the same order
         assert len(getattr(plain, attr)) == len(getattr(on_cpu, attr))
         for a, b in zip(getattr(plain, attr), getattr(on_cpu, attr), strict=True):
             _assert_equal(a, b)
@@ -102,8 +103,10 @@ def test_a_collection_gives_the_values_of_the_collection_kept_on_its_device(comp
         )
 
     plain = make()
-    with pytest.warns(StoreOnCPUWarning, match="got a MeanMetric, which has no list state"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StoreOnCPUWarning)  # the collection has list states: nothing to warn about
         on_cpu = store_states_on_cpu(make())
+    assert not ms._stores_states_on_cpu(on_cpu["mean"])  # no list state of its own: left as it is
     for step, (args, _) in enumerate(_batches("binary")):
         if step % 2:
             plain.update(*args)
@@ -162,9 +165,20 @@ def test_a_metric_updated_before_keeps_its_state():
 
 def test_anything_else_is_a_type_error():
     with pytest.raises(
-        TypeError, match=r"store_states_on_cpu\(\) takes a torchmetrics Metric or MetricCollection, got"
+        TypeError,
+        match=r"store_states_on_cpu\(\) takes a torchmetrics Metric \(a wrapper too\), MetricCollection or"
+        r" MetricTracker, got torch.nn.modules.linear.Linear. HINT: pass the Metric itself",
     ):
         store_states_on_cpu(torch.nn.Linear(1, 1))
+
+
+def test_a_class_is_refused_with_the_call_to_write():
+    with pytest.raises(
+        TypeError,
+        match=r"got the class BinaryAUROC itself, not a Metric made from it. HINT: call the class, with parentheses:"
+        r" `store_states_on_cpu\(BinaryAUROC\(...\)\)`",
+    ):
+        store_states_on_cpu(BinaryAUROC)
 
 
 def test_chunk_bytes_must_be_an_int():
@@ -224,7 +238,7 @@ def test_pickle_and_deepcopy_keep_values_and_configuration():
         _assert_equal(clone.compute(), metric.compute())
         args, _ = _batches("binary")[3]
         clone.update(*args)  # still collects: its update is wrapped again
-        assert len(clone.preds) == 4 and clone._cpu_states.members == [clone]
+        assert len(clone.preds) == 4 and clone._cpu_states is not metric._cpu_states
     assert len(metric.preds) == 3
 
 
@@ -277,15 +291,15 @@ def test_merge_state_keeps_values():
 def fake_device(monkeypatch):
     """Tensors that came through the buffer count as on the CPU, every other as on a device; copies land late."""
     transfer = ManualTransfer()
-    monkeypatch.setattr(ms, "_transfer_for", lambda device: transfer)
-    monkeypatch.setattr(ms, "_on_cpu", lambda tensor: getattr(tensor, "landed", False))
+    monkeypatch.setattr(states, "_transfer_for", lambda device: transfer)
+    monkeypatch.setattr(states, "_on_cpu", lambda tensor: getattr(tensor, "landed", False))
 
     def host_copy(tensor):
         copied = tensor.to("cpu", copy=True)
         copied.landed = True
         return copied
 
-    monkeypatch.setattr(ms, "_host_copy", host_copy)
+    monkeypatch.setattr(states, "_host_copy", host_copy)
     return transfer
 
 
@@ -329,11 +343,14 @@ def test_every_read_folds_what_is_in_flight_first(fake_device, read):
     assert _landed(metric) == [True, True] and all(copy.waited for copy in fake_device.copies)
 
 
-def test_reset_waits_for_the_copies_before_their_memory_is_reused(fake_device):
+def test_reset_does_not_wait_and_a_dropped_copy_touches_nothing(fake_device):
     metric = store_states_on_cpu(CatMetric())
     metric.update(torch.tensor([1.0]))
-    metric.reset()
-    assert metric.value == [] and fake_device.copies[0].released
+    metric.reset()  # `Running` resets its base Metric after every update: no wait there
+    assert metric.value == [] and not fake_device.copies[0].waited
+    metric.update(torch.tensor([2.0]))
+    _assert_equal(metric.compute(), torch.tensor(2.0))
+    assert _landed(metric) == [True] and all(copy.released for copy in fake_device.copies)
 
 
 def test_forward_does_not_wait_and_keeps_the_order(fake_device):

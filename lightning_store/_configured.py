@@ -1,0 +1,207 @@
+"""The class put in front of a configured Metric's own: the same Metric, with its list states on the CPU."""
+
+import functools
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_cat
+
+from lightning_store._gather import DEFAULT_CHUNK_BYTES, _gather_elements, gather_on_device
+from lightning_store._states import _CPU, _collect, _CPUStates, _list_states, _settle
+
+
+def _collecting(metric: Metric, update: Callable) -> Callable:
+    @functools.wraps(update)
+    def update_then_collect(*args: Any, **kwargs: Any) -> None:
+        update(*args, **kwargs)
+        _collect(metric)
+
+    return update_then_collect
+
+
+def _settling(metric: Metric, compute: Callable) -> Callable:
+    @functools.wraps(compute)
+    def settle_then_compute(*args: Any, **kwargs: Any) -> Any:
+        _settle(metric)
+        return compute(*args, **kwargs)
+
+    return settle_then_compute
+
+
+class _StatesOnCPU(Metric):
+    """Put in front of the class of a Metric given to ``store_states_on_cpu`` (see :func:`_class_for`)."""
+
+    _cpu_states: _CPUStates
+
+    def _wrap_update(self, update: Callable) -> Callable:
+        return _collecting(self, super()._wrap_update(update))
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        return _settling(self, super()._wrap_compute(compute))
+
+    @torch.jit.unused
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """As the Metric's own ``forward``, without a host sync when that is ``Metric.forward``."""
+        states = self._cpu_states
+        if states.paused:
+            return super().forward(*args, **kwargs)
+        kept: dict[str, list] = {}
+        if _forward_of(type(self)) is Metric.forward and self.full_state_update is False and not self.dist_sync_on_step:
+            # torchmetrics resets the state, updates it with the batch, computes, then puts the accumulated state
+            # in front: the accumulated lists are set aside and put in front again, without a copy of a tensor
+            kept = {attr: getattr(self, attr) for attr in _list_states(self)}
+            for attr in kept:
+                setattr(self, attr, [])
+        else:
+            _settle(self)  # the update may read the accumulated state (or sync the batch's): all of it on the CPU
+        states.paused += 1
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            states.paused -= 1
+            for attr, state in kept.items():  # a new list, as torchmetrics makes: compute groups share the old one
+                setattr(self, attr, state + getattr(self, attr))
+            _collect(self)
+
+    def sync(
+        self,
+        dist_sync_fn: Callable | None = None,
+        process_group: Any | None = None,
+        should_sync: bool = True,
+        distributed_available: Callable | None = None,
+    ) -> None:
+        _settle(self)
+        super().sync(
+            dist_sync_fn=dist_sync_fn or self.dist_sync_fn,
+            process_group=process_group,
+            should_sync=should_sync,
+            distributed_available=distributed_available,
+        )
+
+    def _sync_dist(self, dist_sync_fn: Callable = gather_on_device, process_group: Any | None = None) -> None:
+        # A list state reduced by `dim_zero_cat` is joined into one tensor, as torchmetrics does; a list state of
+        # no reduction (or the user's) keeps one element per item, which torchmetrics gathers element by element
+        # (so processes with different numbers of elements cannot sync). Those lists are gathered here, in a
+        # bounded number of collectives, and their elements ordered as torchmetrics orders them: the first element
+        # of every process in rank order, then the second... (a process with fewer elements adds none past its
+        # last). Their place in `super()._sync_dist` is an empty list, which it leaves as it is.
+        device = self.device if self._cpu_states.paused else _CPU
+        dtype = getattr(self, "_dtype", None) or torch.get_default_dtype()  # `Metric.dtype` is torchmetrics >= 1.1
+        by_element = {}
+        for attr in _list_states(self):
+            state = getattr(self, attr)
+            if not isinstance(state, list):
+                continue
+            if self._reductions[attr] is dim_zero_cat:
+                if len(state) != 1:  # a process with none joins with an empty tensor: the collectives match
+                    setattr(
+                        self, attr, [dim_zero_cat(state)] if state else [torch.empty(0, dtype=dtype, device=device)]
+                    )
+            else:
+                by_element[attr] = state
+                setattr(self, attr, [])
+        super()._sync_dist(dist_sync_fn, process_group=process_group)
+        group = process_group or self.process_group or torch.distributed.group.WORLD
+        chunk_bytes = getattr(self.dist_sync_fn, "keywords", {}).get("chunk_bytes", DEFAULT_CHUNK_BYTES)
+        for attr, state in by_element.items():
+            gathered = _gather_elements(state, group, chunk_bytes)
+            ordered = [each[i] for i in range(max(map(len, gathered))) for each in gathered if i < len(each)]
+            reduction = cast(Callable | None, self._reductions[attr])  # `add_state` made a name a function
+            setattr(self, attr, reduction(ordered) if reduction is not None and ordered else ordered)
+
+    @property
+    def metric_state(self) -> dict[str, list[Tensor] | Tensor]:
+        _settle(self)
+        return {attr: getattr(self, attr) for attr in self._defaults}
+
+    def state_dict(  # type: ignore[override]
+        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        _settle(self)
+        return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        _settle(self)
+        super()._load_from_state_dict(*args, **kwargs)
+        _settle(self)
+
+    def merge_state(self, incoming_state: Any) -> None:
+        # torchmetrics wants an instance of this class: the Metric's own class is as good (its state is the same)
+        if isinstance(incoming_state, _bases[type(self)]):
+            incoming_state = cast(Metric, incoming_state).metric_state  # a configured one settles first
+        _settle(self)
+        super().merge_state(incoming_state)  # torchmetrics >= 1.1
+        _settle(self)
+
+    def _apply(self, fn: Callable, exclude_state: Any = "") -> Module:
+        # `.to()`, `.cuda()`, `set_dtype()`... reach every state through `fn`. The list states stay on the CPU: their
+        # elements get only the dtype `fn` gives (a copy in flight first lands if that changes any).
+        elements = [t for attr in _list_states(self) for t in _elements(getattr(self, attr))]
+        dtypes = {dtype: _dtype_after(fn, dtype) for dtype in {t.dtype for t in elements}}
+        if any(before != after for before, after in dtypes.items()):
+            _settle(self)
+            elements = [t for attr in _list_states(self) for t in _elements(getattr(self, attr))]
+        keep = functools.partial(_keep_on_cpu, fn, {id(t) for t in elements}, dtypes)
+        # `keep` shows `fn` in its repr, from which torchmetrics tells a `.half()` from a `.to()`
+        return super()._apply(keep, exclude_state) if exclude_state else super()._apply(keep)
+
+    def __getstate__(self) -> dict[str, Any]:
+        _settle(self)
+        return super().__getstate__()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # the class is made at run time: pickle rebuilds it from the Metric's own class, which it finds by name
+        return _rebuild, (_bases[type(self)],), self.__getstate__()
+
+
+def _elements(state: Any) -> list[Tensor]:
+    return [t for t in state if isinstance(t, Tensor)] if isinstance(state, list) else []
+
+
+def _dtype_after(fn: Callable, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``fn`` gives a tensor of ``dtype``: asked of an empty tensor, which no device copies or syncs for."""
+    return fn(torch.empty(0, dtype=dtype)).dtype
+
+
+def _keep_on_cpu(fn: Callable, elements: set[int], dtypes: dict[torch.dtype, torch.dtype], tensor: Tensor) -> Tensor:
+    if id(tensor) not in elements:
+        return fn(tensor)
+    after = dtypes[tensor.dtype]
+    return tensor if after == tensor.dtype else tensor.to(dtype=after)
+
+
+def _forward_of(metric_class: type) -> Callable:
+    """The ``forward`` that the Metric's own class runs (after ``_StatesOnCPU`` in its MRO)."""
+    after = metric_class.__mro__[metric_class.__mro__.index(_StatesOnCPU) + 1 :]
+    return next(vars(c)["forward"] for c in after if "forward" in vars(c))
+
+
+_classes: dict[type, type[_StatesOnCPU]] = {}
+_bases: dict[type, type] = {}
+
+
+def _class_for(metric_class: type) -> type[_StatesOnCPU]:
+    """``_StatesOnCPU`` put in front of ``metric_class``, made once, with the name of ``metric_class``."""
+    if metric_class not in _classes:
+        names = {
+            "__module__": metric_class.__module__,
+            "__qualname__": metric_class.__qualname__,
+            # what TorchScript leaves alone: the Metric's own, and what this class adds (`metric_state` is a
+            # property of torchmetrics >= 1.1 only; `_cpu_states` a Python object it would try to compile)
+            "__jit_unused_properties__": [*getattr(metric_class, "__jit_unused_properties__", []), "metric_state"],
+            "__jit_ignored_attributes__": [*getattr(metric_class, "__jit_ignored_attributes__", []), "_cpu_states"],
+        }
+        made = type(metric_class.__name__, (_StatesOnCPU, metric_class), names)
+        _classes[metric_class] = made
+        _bases[made] = metric_class
+    return _classes[metric_class]
+
+
+def _rebuild(metric_class: type) -> _StatesOnCPU:
+    """An empty configured Metric of ``metric_class``, for pickle to fill in with ``__setstate__``."""
+    made = _class_for(metric_class)
+    return made.__new__(made)

@@ -1,0 +1,236 @@
+"""Metrics a user writes with list states kept one element per item, and the wrappers torchmetrics ships, with data.
+
+Shared by the tests and the 2-process worker (``_states_ddp_worker.py``): every maker returns a new unconfigured
+Metric, so a test can compare the configured one with the plain one, fed the same data.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import CatMetric, Metric, MetricCollection
+from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, MulticlassAUROC
+from torchmetrics.regression import SpearmanCorrCoef
+from torchmetrics.text import ROUGEScore
+from torchmetrics.wrappers import (
+    BootStrapper,
+    ClasswiseWrapper,
+    MetricTracker,
+    MinMaxMetric,
+    MultioutputWrapper,
+    MultitaskWrapper,
+    Running,
+)
+
+
+class MeanOfSequenceMax(Metric):
+    """The mean over sequences of each one's maximum: one element per sequence, of its own length."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("sequences", default=[], dist_reduce_fx=None)
+
+    def update(self, sequences: list[Tensor]) -> None:
+        self.sequences.extend(sequences)
+
+    def compute(self) -> Tensor:
+        return torch.stack([s.max() for s in self.sequences]).mean()
+
+
+class BoxesPerImage(Metric):
+    """The mean number of boxes per image: one ``(n, 4)`` element per image, ``n`` may be 0."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("boxes", default=[], dist_reduce_fx=None)
+
+    def update(self, boxes: list[Tensor]) -> None:
+        self.boxes.extend(boxes)
+
+    def compute(self) -> Tensor:
+        return torch.tensor([len(b) for b in self.boxes], dtype=torch.float32).mean()
+
+
+class MatrixTraces(Metric):
+    """Per-image matrices of different shapes (and their dtypes): a weighted sum, in order, of their means."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("matrices", default=[], dist_reduce_fx=None)
+        self.add_state("counts", default=[], dist_reduce_fx=None)
+        self.add_state("flags", default=[], dist_reduce_fx=None)
+
+    def update(self, matrices: list[Tensor]) -> None:
+        for matrix in matrices:
+            self.matrices.append(matrix)
+            self.counts.append(torch.tensor(matrix.numel()))  # a 0-d int64 element
+            self.flags.append(matrix > 0.5)  # a bool element
+
+    def compute(self) -> Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for i, (matrix, count, flags) in enumerate(zip(self.matrices, self.counts, self.flags, strict=True)):
+            total = total * 0.5 + (i + 1) * matrix.double().mean() + count + flags.sum()
+        return total
+
+
+def _reverse(items: list[Tensor]) -> list[Tensor]:
+    return items[::-1]
+
+
+class LastSeenFirst(Metric):
+    """A list state with a reduction of the user's, which gets the gathered elements as a list."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("items", default=[], dist_reduce_fx=_reverse)
+
+    def update(self, items: list[Tensor]) -> None:
+        self.items.extend(items)
+
+    def compute(self) -> Tensor:
+        return torch.cat([item.reshape(-1) for item in self.items]) if self.items else torch.zeros(0)
+
+
+def sequences(seed: int, count: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+    """``count`` 1-d tensors of lengths 1 to 6."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 7, (count,), generator=generator).tolist()
+    return [torch.rand(n, generator=generator).to(dtype) for n in lengths]
+
+
+def boxes(seed: int, count: int) -> list[Tensor]:
+    """``count`` ``(n, 4)`` tensors, ``n`` from 0 to 4."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.rand(int(n), 4, generator=generator) for n in torch.randint(0, 5, (count,), generator=generator)]
+
+
+def matrices(seed: int, count: int) -> list[Tensor]:
+    """``count`` 2-d tensors of shapes from 1x1 to 3x4, float32 or float64 in turn."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        rows, cols = (int(n) for n in torch.randint(1, 5, (2,), generator=generator))
+        out.append(torch.rand(rows, cols, generator=generator, dtype=torch.float64 if i % 2 else torch.float32))
+    return out
+
+
+ELEMENT_METRICS: dict[str, tuple[Callable[[], Metric], Callable[[int, int], list[Tensor]]]] = {
+    "sequence_max": (MeanOfSequenceMax, sequences),
+    "boxes_per_image": (BoxesPerImage, boxes),
+    "matrices": (MatrixTraces, matrices),
+    "user_reduction": (LastSeenFirst, sequences),
+}
+
+SENTENCES = [
+    ("the cat sat on the mat", "a cat sat on the mat"),
+    ("there is a dog in the garden", "a dog is in the garden"),
+    ("hello world", "hello there world"),
+    ("lightning logs on the cpu", "lightning keeps logs on the cpu"),
+]
+
+
+def rouge() -> ROUGEScore:
+    return ROUGEScore(rouge_keys=("rouge1", "rougeL"))
+
+
+def binary_auroc() -> BinaryAUROC:
+    return BinaryAUROC(thresholds=None)
+
+
+def binary(seed: int, size: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(size, generator=generator), torch.randint(0, 2, (size,), generator=generator)
+
+
+def _multitask_batch(seed: int, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    preds, target = binary(seed, size)
+    return ({"auroc": preds, "both": preds}, {"auroc": target, "both": target}), {}
+
+
+def _multiclass_batch(seed: int, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.rand(size, 3, generator=generator).softmax(-1), torch.arange(size) % 3), {}
+
+
+def _two_outputs_batch(seed: int, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.rand(size, 2, generator=generator), torch.rand(size, 2, generator=generator)), {}
+
+
+def _binary_batch(seed: int, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return binary(seed, size), {}
+
+
+def _cat_batch(seed: int, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (binary(seed, size)[0],), {}
+
+
+WRAPPERS: dict[str, tuple[Callable[[], Any], Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]]] = {
+    "BootStrapper": (lambda: BootStrapper(binary_auroc(), num_bootstraps=3), _binary_batch),
+    "ClasswiseWrapper": (
+        lambda: ClasswiseWrapper(MulticlassAUROC(num_classes=3, thresholds=None, average=None)),
+        _multiclass_batch,
+    ),
+    "MultitaskWrapper": (
+        lambda: MultitaskWrapper(
+            {
+                "auroc": binary_auroc(),
+                "both": MetricCollection([binary_auroc(), BinaryAveragePrecision(thresholds=None)]),
+            }
+        ),
+        _multitask_batch,
+    ),
+    "MetricTracker": (lambda: MetricTracker(binary_auroc()), _binary_batch),
+    "MinMaxMetric": (lambda: MinMaxMetric(binary_auroc()), _binary_batch),
+    "Running": (lambda: Running(CatMetric(), window=2), _cat_batch),
+    "MultioutputWrapper": (lambda: MultioutputWrapper(SpearmanCorrCoef(), num_outputs=2), _two_outputs_batch),
+    "CompositionalMetric": (lambda: binary_auroc() + BinaryAveragePrecision(thresholds=None), _binary_batch),
+    "MetricCollection": (
+        lambda: MetricCollection(
+            {
+                "auroc": MulticlassAUROC(num_classes=3, thresholds=None),
+                "classwise": ClasswiseWrapper(MulticlassAUROC(num_classes=3, thresholds=None, average=None)),
+            }
+        ),
+        _multiclass_batch,
+    ),
+}
+
+
+def run_wrapper(name: str, metric: Any, batches: list[tuple[int, int]]) -> list[Tensor]:
+    """Feed ``metric`` (made by ``WRAPPERS[name]``) batches of ``(seed, size)``: ``forward`` on every second one,
+    ``update`` on the others; return the tensors of every ``forward`` and of the final ``compute``.
+
+    The global RNG is seeded before each batch (``BootStrapper`` samples from it). A ``MetricTracker`` starts a new
+    Metric before the first batch and halfway, and ends with ``compute_all()``.
+    """
+    _, batch = WRAPPERS[name]
+    out = []
+    for index, (seed, size) in enumerate(batches):
+        if name == "MetricTracker" and index in (0, len(batches) // 2):
+            metric.increment()
+        args, kwargs = batch(seed, size)
+        torch.manual_seed(seed)
+        if index % 2:
+            out.extend(flatten(metric(*args, **kwargs)))
+        else:
+            metric.update(*args, **kwargs)
+    return out + flatten(metric.compute_all() if name == "MetricTracker" else metric.compute())
+
+
+def flatten(value: Any) -> list[Tensor]:
+    """The tensors of a result (a tensor, or dicts and lists of them, dict keys sorted), in order."""
+    if isinstance(value, dict):
+        return [t for key in sorted(value) for t in flatten(value[key])]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in flatten(item)]
+    return [value]
