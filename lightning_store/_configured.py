@@ -91,20 +91,25 @@ class _StatesOnCPU(Metric):
         # last). Their place in `super()._sync_dist` is an empty list, which it leaves as it is.
         device = self.device if self._cpu_states.paused else _CPU
         dtype = getattr(self, "_dtype", None) or torch.get_default_dtype()  # `Metric.dtype` is torchmetrics >= 1.1
-        by_element = {}
+        by_element, empty = {}, []
         for attr in _list_states(self):
             state = getattr(self, attr)
             if not isinstance(state, list):
                 continue
             if self._reductions[attr] is dim_zero_cat:
-                if len(state) != 1:  # a process with none joins with an empty tensor: the collectives match
-                    setattr(
-                        self, attr, [dim_zero_cat(state)] if state else [torch.empty(0, dtype=dtype, device=device)]
-                    )
+                if not state:  # a process with none joins with an empty tensor: the collectives match
+                    empty.append(attr)
+                    setattr(self, attr, [torch.empty(0, dtype=dtype, device=device)])
+                elif len(state) > 1:
+                    setattr(self, attr, [dim_zero_cat(state)])
             else:
                 by_element[attr] = state
                 setattr(self, attr, [])
         super()._sync_dist(dist_sync_fn, process_group=process_group)
+        if not getattr(self, "_TORCH_GREATER_EQUAL_2_1", False):  # torchmetrics 1.0 leaves a list empty everywhere
+            for attr in empty:
+                if getattr(self, attr).numel() == 0:
+                    setattr(self, attr, [])
         group = process_group or self.process_group or torch.distributed.group.WORLD
         chunk_bytes = getattr(self.dist_sync_fn, "keywords", {}).get("chunk_bytes", DEFAULT_CHUNK_BYTES)
         for attr, state in by_element.items():
@@ -174,6 +179,7 @@ def _keep_on_cpu(fn: Callable, elements: set[int], dtypes: dict[torch.dtype, tor
     return tensor if after == tensor.dtype else tensor.to(dtype=after)
 
 
+@functools.cache
 def _forward_of(metric_class: type) -> Callable:
     """The ``forward`` that the Metric's own class runs (after ``_StatesOnCPU`` in its MRO)."""
     after = metric_class.__mro__[metric_class.__mro__.index(_StatesOnCPU) + 1 :]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from _metrics import ELEMENT_METRICS, SENTENCES, MeanOfSequenceMax, flatten, rouge, sequences
+from _metrics import ELEMENT_METRICS, SENTENCES, WRAPPERS, MeanOfSequenceMax, flatten, rouge, run_wrapper, sequences
 from _support import run_workers
-from torchmetrics import CatMetric, MeanMetric, MetricCollection
+from torchmetrics import CatMetric, MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_store import _states as states
@@ -64,6 +64,24 @@ def test_rouge_gives_the_plain_values():
     assert all(t.is_cpu for t in _list_elements(configured))
 
 
+# -- wrappers and collections: the Metrics inside that hold list states are configured
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_wrappers_give_the_plain_values_with_their_metrics_configured(name):
+    make, _ = WRAPPERS[name]
+    configured, plain = store_states_on_cpu(make(), chunk_bytes=4096), make()
+    batches = [(seed, 4 + seed) for seed in range(4)]
+    _assert_same(run_wrapper(name, configured, batches), run_wrapper(name, plain, batches))
+    metrics = [m for m in configured.modules() if isinstance(m, Metric)]
+    assert any(_stores_states_on_cpu(m) for m in metrics)
+    for metric in metrics:  # every Metric that holds list states of its own, and only those
+        assert _stores_states_on_cpu(metric) == states._owns_list_states(metric), type(metric).__name__
+        if _stores_states_on_cpu(metric):
+            assert metric.dist_sync_fn.keywords == {"chunk_bytes": 4096}
+            assert all(t.is_cpu for t in _list_elements(metric))
+
+
 # -- dtype: every conversion of torchmetrics, the list states staying on the CPU
 
 CONVERSIONS = {
@@ -90,7 +108,23 @@ def test_dtype_conversions_follow_torchmetrics(conversion, make):
     for attr in states._list_states(plain):
         _assert_same(getattr(configured, attr), getattr(plain, attr))
     _assert_same([configured.compute()], [plain.compute()])
-    assert configured.dtype == plain.dtype
+    assert getattr(configured, "dtype", None) == getattr(plain, "dtype", None)  # `Metric.dtype` is torchmetrics >= 1.1
+
+
+class _OwnApply(CatMetric):
+    """Overrides ``_apply`` without ``exclude_state``, as ``MeanAveragePrecision`` does."""
+
+    def _apply(self, fn):
+        return super()._apply(fn, exclude_state=("value",))
+
+
+def test_a_metric_with_an_apply_of_its_own_converts_as_the_plain_one():
+    plain, configured = _OwnApply(), store_states_on_cpu(_OwnApply())
+    for metric in (plain, configured):
+        metric.update(torch.tensor([1.0, 2.0]))
+        metric.to(torch.float64)
+    _assert_same(configured.value, plain.value)  # excluded by the Metric itself: left float32 by both
+    _assert_same([configured.compute()], [plain.compute()])
 
 
 def test_a_dtype_conversion_lands_the_copies_in_flight_first(fake_device):
@@ -225,14 +259,13 @@ def test_two_processes_give_the_values_of_the_plain_metric(ddp_checks):
 
 @pytest.mark.distributed
 def test_two_processes_cover_every_case(ddp_checks):
-    from _metrics import WRAPPERS
-
     names = set(ddp_checks[0]["checks"])
     assert names == set(ddp_checks[1]["checks"])
     expected = {"elements_mixed", "elements_empty_rank", "elements_none_anywhere", "elements_complex_bfloat16"}
     for name in ELEMENT_METRICS:
         expected |= {f"{name}_state_16", f"{name}_16", f"{name}_uneven_3_1", f"{name}_uneven_0_2"}
     expected |= {f"wrapper_{name}" for name in WRAPPERS} | {"rouge", "dtype_float64", "dtype_float16_elements"}
+    expected |= {"cat_empty_everywhere"}
     assert expected <= names, expected - names
     assert all(check["local_kept"] for name, check in ddp_checks[0]["checks"].items() if name.startswith("elements"))
 
