@@ -2,7 +2,9 @@ import sys
 
 import pytest
 import torch
+from _support import ManualTransfer
 
+from lightning_store import _states
 from lightning_store import warnings as store_warnings
 
 
@@ -26,6 +28,23 @@ def quiet_trainer_kwargs(tmp_path):
         "enable_model_summary": False,
         "default_root_dir": tmp_path,
     }
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """For a Metric given to ``store_states_on_cpu``: tensors that came through the buffer count as on the CPU, every
+    other as on a device, and copies land when the test says (a :class:`_support.ManualTransfer`)."""
+    transfer = ManualTransfer()
+    monkeypatch.setattr(_states, "_transfer_for", lambda device: transfer)
+    monkeypatch.setattr(_states, "_on_cpu", lambda tensor: getattr(tensor, "landed", False))
+
+    def host_copy(tensor):
+        copied = tensor.to("cpu", copy=True)
+        copied.landed = True
+        return copied
+
+    monkeypatch.setattr(_states, "_host_copy", host_copy)
+    return transfer
 
 
 def requires_cuda(fn):

@@ -210,24 +210,6 @@ def test_a_numpy_chunk_bytes_names_its_type():
 # -- late copies: the non-blocking path on the CPU
 
 
-@pytest.fixture
-def fake_device(monkeypatch):
-    """Tensors that came through the buffer count as on the CPU, every other as on a device; copies land late."""
-    from _support import ManualTransfer
-
-    transfer = ManualTransfer()
-    monkeypatch.setattr(states, "_transfer_for", lambda device: transfer)
-    monkeypatch.setattr(states, "_on_cpu", lambda tensor: getattr(tensor, "landed", False))
-
-    def host_copy(tensor):
-        copied = tensor.to("cpu", copy=True)
-        copied.landed = True
-        return copied
-
-    monkeypatch.setattr(states, "_host_copy", host_copy)
-    return transfer
-
-
 def test_copies_in_flight_land_in_the_new_lists_of_a_move(fake_device):
     metric = store_states_on_cpu(CatMetric())
     metric.update(torch.tensor([1.0]))

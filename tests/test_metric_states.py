@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from _support import ManualTransfer, loader, run_workers
+from _support import loader, run_workers
 from torchmetrics import CatMetric, MeanMetric, MetricCollection, SpearmanCorrCoef
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision
 from torchmetrics.retrieval import RetrievalMAP
@@ -285,22 +285,6 @@ def test_merge_state_keeps_values():
 
 
 # -- the non-blocking path, on the CPU: copies from a fake device land when the test says so
-
-
-@pytest.fixture
-def fake_device(monkeypatch):
-    """Tensors that came through the buffer count as on the CPU, every other as on a device; copies land late."""
-    transfer = ManualTransfer()
-    monkeypatch.setattr(states, "_transfer_for", lambda device: transfer)
-    monkeypatch.setattr(states, "_on_cpu", lambda tensor: getattr(tensor, "landed", False))
-
-    def host_copy(tensor):
-        copied = tensor.to("cpu", copy=True)
-        copied.landed = True
-        return copied
-
-    monkeypatch.setattr(states, "_host_copy", host_copy)
-    return transfer
 
 
 def _landed(metric):
