@@ -25,7 +25,7 @@ class KeyStorage:
         dataloader_idx: the dataloader it was logged for, if there are several.
         kind: ``"tensor"`` (tensors and numbers) or the class name of a logged ``Metric``.
         store_on_cpu: whether the key is stored on the CPU by ``store_on_cpu``, or, for a ``Metric``, whether its
-            list states are, by :func:`~lightning_store.store_states_on_cpu`.
+            list states (or those of the Metrics it wraps) are, by :func:`~lightning_store.store_states_on_cpu`.
         device: where its tensors are now (``"cpu"``, ``"cuda:0"``...); ``"-"`` before any is kept.
         bytes: the bytes its tensors hold there.
         reduce_fx: the reduction over steps (``"mean"``, ``"sum"``...), or ``"compute"`` for a ``Metric``.
@@ -115,12 +115,22 @@ def _row(loop: str, result: Any) -> KeyStorage:
         name=meta.name,
         dataloader_idx=meta.dataloader_idx,
         kind="tensor" if result.is_tensor else type(result.value).__name__,
-        store_on_cpu=isinstance(result, _StoredOnCPU) or (not result.is_tensor and _stores_states_on_cpu(result.value)),
+        store_on_cpu=isinstance(result, _StoredOnCPU) or (not result.is_tensor and _keeps_states_on_cpu(result.value)),
         device=",".join(devices) or "-",
         bytes=sum(t.numel() * t.element_size() for t in tensors),
         reduce_fx=meta.reduce_fx.__name__ if result.is_tensor else "compute",
         sync_dist=_syncs(meta.sync) if result.is_tensor else _metric_syncs(result.value),
     )
+
+
+def _metrics_in(metric: Metric) -> list[Metric]:
+    """A logged Metric and, for a wrapper (``BinaryTargetTransformer``, ``auroc + ap``...), the Metrics it holds."""
+    return [m for m in metric.modules() if isinstance(m, Metric)]
+
+
+def _keeps_states_on_cpu(metric: Metric) -> bool:
+    """Whether a logged Metric, or a Metric it wraps, was given to ``store_states_on_cpu``."""
+    return any(_stores_states_on_cpu(m) for m in _metrics_in(metric))
 
 
 def _metric_syncs(metric: Metric) -> bool:
@@ -135,12 +145,13 @@ def _held_tensors(result: Any) -> Iterator[Tensor]:
         candidates: list[Any] = [result.value, getattr(result, "cumulated_batch_size", None)]
         candidates += [result._forward_cache, result._computed]
     else:
-        metric: Metric = result.value
-        _settle_states(metric)  # copies in flight to the CPU are counted where they land
-        candidates = [metric._forward_cache, metric._computed]
-        for name in metric._defaults:  # `Metric.metric_state` is torchmetrics >= 1.1
-            state = getattr(metric, name)
-            candidates.extend(state if isinstance(state, list) else [state])
+        candidates = []
+        for metric in _metrics_in(result.value):
+            _settle_states(metric)  # copies in flight to the CPU are counted where they land
+            candidates += [metric._forward_cache, metric._computed]
+            for name in metric._defaults:  # `Metric.metric_state` is torchmetrics >= 1.1
+                state = getattr(metric, name)
+                candidates.extend(state if isinstance(state, list) else [state])
     seen: set[int] = set()
     for tensor in candidates:
         if isinstance(tensor, Tensor) and id(tensor) not in seen:

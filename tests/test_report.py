@@ -3,7 +3,7 @@ import torch
 import torchmetrics
 from _support import loader
 
-from lightning_store import KeyStorage, StoreOnCPUMixin, format_storage_report, storage_report
+from lightning_store import KeyStorage, StoreOnCPUMixin, format_storage_report, storage_report, store_states_on_cpu
 
 
 class _ReportModel(StoreOnCPUMixin, pl.LightningModule):
@@ -85,3 +85,34 @@ def test_the_table_has_a_header_and_a_line_per_row():
     assert lines[2].split()[6] == "cuda:0"
     assert len({line.index("store_on_cpu") for line in lines[:1]}) == 1
     assert all(len(line.split()) == 10 for line in lines)
+
+
+class _WrappedMetricModel(pl.LightningModule):
+    """Logs a Metric made of two (``CompositionalMetric``), whose inner Metrics keep their states on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.score = store_states_on_cpu(
+            torchmetrics.classification.BinaryAUROC(thresholds=None)
+            + torchmetrics.classification.BinaryAveragePrecision(thresholds=None)
+        )
+        self.rows: list[KeyStorage] = []
+        self.shared = False
+
+    def validation_step(self, batch, batch_idx):
+        preds = torch.sigmoid(self.layer(batch[0])).squeeze(-1)
+        self.score.update(preds, (batch[0][:, 0] > 0).long())
+        self.log("score", self.score)
+        self.rows = storage_report(self.trainer)
+        self.shared = self.score.metric_a.preds[-1] is self.score.metric_b.preds[-1]
+
+
+def test_a_logged_wrapper_shows_the_states_of_the_metrics_it_holds(quiet_trainer_kwargs):
+    model = _WrappedMetricModel()
+    pl.Trainer(**quiet_trainer_kwargs).validate(model, loader())
+    (row,) = model.rows
+    assert (row.kind, row.store_on_cpu, row.device, row.reduce_fx) == ("CompositionalMetric", True, "cpu", "compute")
+    # 10 float32 predictions and 10 int64 targets, counted once: both inner Metrics keep the same tensors
+    assert row.bytes == 10 * 4 + 10 * 8
+    assert model.shared
