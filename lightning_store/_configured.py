@@ -102,7 +102,7 @@ class _StatesOnCPU(Metric):
                     setattr(self, attr, [torch.empty(0, dtype=dtype, device=device)])
                 elif len(state) > 1:
                     setattr(self, attr, [dim_zero_cat(state)])
-            else:
+            elif all(isinstance(element, Tensor) for element in state):  # others (tuples...) are the Metric's own
                 by_element[attr] = state
                 setattr(self, attr, [])
         super()._sync_dist(dist_sync_fn, process_group=process_group)

@@ -11,21 +11,32 @@ from lightning_store._policy import _type_name
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
-# the dtypes a state can have, numbered for the shape exchange
-_DTYPES = (
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
+# the dtypes a state can have, numbered for the shape exchange (the same torch on every process)
+_DTYPES = tuple(
+    getattr(torch, name)
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "complex32",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+    if hasattr(torch, name)
 )
+_DTYPE_INDEX = {dtype: index for index, dtype in enumerate(_DTYPES)}
 _MAX_DIMS = 8
 _NO_DATA = -1  # in place of `ndim`: the rank holds no element
 
@@ -53,11 +64,17 @@ def _collective_device(tensor: Tensor, group: Any) -> torch.device:
 
 def _layout(tensor: Tensor) -> list[int]:
     """``[ndim, dtype, *shape]``, the shape padded with zeros to ``_MAX_DIMS``."""
-    if tensor.dtype not in _DTYPES:
-        raise TypeError(f"gather_on_device cannot gather tensors of dtype {tensor.dtype}.")
+    if tensor.dtype not in _DTYPE_INDEX:
+        raise TypeError(
+            f"gather_on_device cannot gather tensors of dtype {tensor.dtype}."
+            f" HINT: keep the state in one of {', '.join(str(d) for d in _DTYPES)}."
+        )
     if tensor.ndim > _MAX_DIMS:
-        raise ValueError(f"gather_on_device gathers tensors of at most {_MAX_DIMS} dimensions, got {tensor.ndim}.")
-    return [tensor.ndim, _DTYPES.index(tensor.dtype), *tensor.shape, *[0] * (_MAX_DIMS - tensor.ndim)]
+        raise ValueError(
+            f"gather_on_device gathers tensors of at most {_MAX_DIMS} dimensions, got {tensor.ndim}."
+            " HINT: keep the state flatter, with `.reshape(...)` in `update` and back in `compute`."
+        )
+    return [tensor.ndim, _DTYPE_INDEX[tensor.dtype], *tensor.shape, *[0] * (_MAX_DIMS - tensor.ndim)]
 
 
 def _describe(tensor: Tensor, device: torch.device) -> Tensor:

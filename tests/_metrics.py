@@ -100,6 +100,33 @@ class LastSeenFirst(Metric):
         return torch.cat([item.reshape(-1) for item in self.items]) if self.items else torch.zeros(0)
 
 
+class SizedItems(Metric):
+    """A list state of Python objects next to one of tensors, gathered by a ``_sync_dist`` of its own (as
+    ``MeanAveragePrecision`` gathers its segmentation masks): torchmetrics leaves the objects to it."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("items", default=[], dist_reduce_fx=None)
+        self.add_state("sizes", default=[], dist_reduce_fx=None)
+
+    def update(self, items: list[Tensor]) -> None:
+        for item in items:
+            self.items.append(item)
+            self.sizes.append((item.numel(), "item"))
+
+    def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
+        super()._sync_dist(dist_sync_fn=dist_sync_fn, process_group=process_group)
+        gathered: list[Any] = [None] * torch.distributed.get_world_size(process_group)
+        torch.distributed.all_gather_object(gathered, self.sizes, group=process_group)
+        self.sizes = [size for sizes in gathered for size in sizes]
+
+    def compute(self) -> Tensor:
+        mean_size = torch.tensor([size for size, _ in self.sizes], dtype=torch.float32).mean()
+        return mean_size + torch.stack([item.sum() for item in self.items]).sum()
+
+
 def sequences(seed: int, count: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
     """``count`` 1-d tensors of lengths 1 to 6."""
     generator = torch.Generator().manual_seed(seed)
@@ -129,6 +156,8 @@ ELEMENT_METRICS: dict[str, tuple[Callable[[], Metric], Callable[[int, int], list
     "matrices": (MatrixTraces, matrices),
     "user_reduction": (LastSeenFirst, sequences),
 }
+# with the same number of elements on every process only: torchmetrics leaves its objects to its own `_sync_dist`
+EQUAL_COUNT_METRICS = {**ELEMENT_METRICS, "objects_of_its_own": (SizedItems, sequences)}
 
 SENTENCES = [
     ("the cat sat on the mat", "a cat sat on the mat"),

@@ -14,20 +14,25 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _metrics import ELEMENT_METRICS, SENTENCES, WRAPPERS, matrices, rouge, run_wrapper, sequences
+from _metrics import ELEMENT_METRICS, EQUAL_COUNT_METRICS, SENTENCES, WRAPPERS, matrices, rouge, run_wrapper, sequences
 from torchmetrics import CatMetric
 
 from lightning_store import store_states_on_cpu
-from lightning_store._gather import _gather_elements
+from lightning_store._gather import _DTYPES, _gather_elements
+
+
+def _bytes(tensor):
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _same(got, expected):
+    """The same dtype, shape and bytes (bit for bit: NaN equal to the same NaN), for tensors and lists of them."""
     if isinstance(got, torch.Tensor):
         return (
             isinstance(expected, torch.Tensor)
             and got.dtype == expected.dtype
             and got.shape == expected.shape
-            and (torch.equal(got, expected) or bool(got.isnan().all() and expected.isnan().all()))
+            and torch.equal(_bytes(got), _bytes(expected))
         )
     return len(got) == len(expected) and all(_same(g, e) for g, e in zip(got, expected, strict=True))
 
@@ -35,7 +40,7 @@ def _same(got, expected):
 def _record(got, expected, **extra):
     def plain(value):
         if isinstance(value, torch.Tensor):
-            return {"dtype": str(value.dtype), "shape": list(value.shape), "values": repr(value.tolist())}
+            return {"dtype": str(value.dtype), "shape": list(value.shape), "bytes": _bytes(value).tolist()}
         return [plain(v) for v in value]
 
     ok = _same(got, expected) and all(extra.values())
@@ -64,7 +69,7 @@ def _outcome(fn, *args):
 
 
 def _elements(name, rank, count):
-    _, make_data = ELEMENT_METRICS[name]
+    _, make_data = EQUAL_COUNT_METRICS[name]
     return make_data(1000 * (rank + 1), count)
 
 
@@ -83,6 +88,10 @@ def main(out_dir: Path) -> None:
         ("elements_empty_rank", [mixed[0], []]),
         ("elements_none_anywhere", [[], []]),
         ("elements_complex_bfloat16", [[torch.ones(2, dtype=torch.complex64)], [torch.ones(3, dtype=torch.bfloat16)]]),
+        (
+            "elements_every_dtype",
+            [[torch.arange(6).reshape(2, 3).to(d) for d in _DTYPES], [torch.ones(1).to(d) for d in _DTYPES]],
+        ),
     ):
         gathered = _gather_elements(by_rank[rank], dist.group.WORLD, chunk_bytes=16)
         checks[name] = _record(
@@ -90,7 +99,7 @@ def main(out_dir: Path) -> None:
         )
 
     # list states kept one element per item: the same elements in the same order as torchmetrics, equal counts
-    for name, (make, _) in ELEMENT_METRICS.items():
+    for name, (make, _) in EQUAL_COUNT_METRICS.items():
         for chunk_bytes in (16, 2**26):
             configured = store_states_on_cpu(make(), chunk_bytes=chunk_bytes)
             plain = make()

@@ -244,6 +244,7 @@ def test_two_processes_cover_every_case(ddp_checks):
     names = set(ddp_checks[0]["checks"])
     assert names == set(ddp_checks[1]["checks"])
     expected = {"elements_mixed", "elements_empty_rank", "elements_none_anywhere", "elements_complex_bfloat16"}
+    expected |= {"elements_every_dtype", "objects_of_its_own_16", "objects_of_its_own_state_16"}
     for name in ELEMENT_METRICS:
         expected |= {f"{name}_state_16", f"{name}_16", f"{name}_uneven_3_1", f"{name}_uneven_0_2"}
     expected |= {f"wrapper_{name}" for name in WRAPPERS} | {"rouge", "dtype_float64", "dtype_float16_elements"}
