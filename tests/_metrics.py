@@ -256,6 +256,11 @@ def run_wrapper(name: str, metric: Any, batches: list[tuple[int, int]]) -> list[
     return out + flatten(metric.compute_all() if name == "MetricTracker" else metric.compute())
 
 
+def list_state_tensors(metric: Metric) -> list[Tensor]:
+    """The tensors of every list state of ``metric``, state by state, in order."""
+    return [t for attr, default in metric._defaults.items() if isinstance(default, list) for t in getattr(metric, attr)]
+
+
 def flatten(value: Any) -> list[Tensor]:
     """The tensors of a result (a tensor, or dicts and lists of them, dict keys sorted), in order."""
     if isinstance(value, dict):

@@ -7,7 +7,17 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from _metrics import ELEMENT_METRICS, SENTENCES, WRAPPERS, MeanOfSequenceMax, flatten, rouge, run_wrapper, sequences
+from _metrics import (
+    ELEMENT_METRICS,
+    SENTENCES,
+    WRAPPERS,
+    MeanOfSequenceMax,
+    flatten,
+    list_state_tensors,
+    rouge,
+    run_wrapper,
+    sequences,
+)
 from _support import run_workers
 from torchmetrics import CatMetric, MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import BinaryAUROC
@@ -24,10 +34,6 @@ def _assert_same(got, expected):
     for left, right in zip(got, expected, strict=True):
         assert left.dtype == right.dtype and left.shape == right.shape, (left, right)
         assert torch.equal(left, right), (left, right)
-
-
-def _list_elements(metric):
-    return [t for attr in states._list_states(metric) for t in getattr(metric, attr)]
 
 
 # -- list states kept one element per item, in one process
@@ -61,7 +67,7 @@ def test_rouge_gives_the_plain_values():
     for pred, target in SENTENCES:
         _assert_same(flatten(configured(pred, target)), flatten(plain(pred, target)))
     _assert_same(flatten(configured.compute()), flatten(plain.compute()))
-    assert all(t.is_cpu for t in _list_elements(configured))
+    assert all(t.is_cpu for t in list_state_tensors(configured))
 
 
 # -- wrappers and collections: the Metrics inside that hold list states are configured
@@ -79,7 +85,7 @@ def test_wrappers_give_the_plain_values_with_their_metrics_configured(name):
         assert _stores_states_on_cpu(metric) == states._owns_list_states(metric), type(metric).__name__
         if _stores_states_on_cpu(metric):
             assert metric.dist_sync_fn.keywords == {"chunk_bytes": 4096}
-            assert all(t.is_cpu for t in _list_elements(metric))
+            assert all(t.is_cpu for t in list_state_tensors(metric))
 
 
 # -- dtype: every conversion of torchmetrics, the list states staying on the CPU

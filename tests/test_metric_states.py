@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from _metrics import list_state_tensors
 from _support import loader, run_workers
 from torchmetrics import CatMetric, MeanMetric, MetricCollection, SpearmanCorrCoef
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision
@@ -60,10 +61,6 @@ def _assert_equal(left, right):
     assert torch.equal(left, right), (left, right)
 
 
-def _list_state_tensors(metric):
-    return [t for attr in states._list_states(metric) for t in getattr(metric, attr)]
-
-
 @pytest.mark.parametrize("name", sorted(METRICS))
 @pytest.mark.parametrize("call", ["update", "forward"])
 def test_values_are_those_of_the_metric_kept_on_its_device(name, call):
@@ -75,7 +72,7 @@ def test_values_are_those_of_the_metric_kept_on_its_device(name, call):
         else:
             plain.update(*args, **kwargs)
             on_cpu.update(*args, **kwargs)
-        assert all(t.device.type == "cpu" for t in _list_state_tensors(on_cpu))
+        assert all(t.device.type == "cpu" for t in list_state_tensors(on_cpu))
     _assert_equal(plain.compute(), on_cpu.compute())
     for attr in states._list_states(plain):  # the same elements, in the same order
         assert len(getattr(plain, attr)) == len(getattr(on_cpu, attr))
@@ -120,7 +117,7 @@ def test_a_collection_gives_the_values_of_the_collection_kept_on_its_device(comp
     for key in expected:
         _assert_equal(expected[key], got[key])
     for metric in on_cpu.values(copy_state=False):
-        assert all(t.device.type == "cpu" for t in _list_state_tensors(metric))
+        assert all(t.device.type == "cpu" for t in list_state_tensors(metric))
 
 
 def test_forward_of_a_collection_returns_the_batch_values_of_the_plain_collection():
