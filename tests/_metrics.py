@@ -235,6 +235,24 @@ WRAPPERS: dict[str, tuple[Callable[[], Any], Callable[[int, int], tuple[tuple[An
 }
 
 
+try:  # the input transformers are not in torchmetrics 1.0
+    from torchmetrics.wrappers import BinaryTargetTransformer, LambdaInputTransformer
+except ImportError:
+    pass
+else:
+    WRAPPERS["BinaryTargetTransformer"] = (
+        lambda: BinaryTargetTransformer(binary_auroc(), threshold=0.5),
+        lambda seed, size: (
+            (binary(seed, size)[0], torch.rand(size, generator=torch.Generator().manual_seed(seed))),
+            {},
+        ),
+    )
+    WRAPPERS["LambdaInputTransformer"] = (
+        lambda: LambdaInputTransformer(MetricCollection([binary_auroc()]), transform_pred=torch.sigmoid),
+        _binary_batch,
+    )
+
+
 def run_wrapper(name: str, metric: Any, batches: list[tuple[int, int]]) -> list[Tensor]:
     """Feed ``metric`` (made by ``WRAPPERS[name]``) batches of ``(seed, size)``: ``forward`` on every second one,
     ``update`` on the others; return the tensors of every ``forward`` and of the final ``compute``.
