@@ -145,12 +145,10 @@ class _StatesOnCPU(Metric):
     def _apply(self, fn: Callable, exclude_state: Any = "") -> Module:
         # `.to()`, `.cuda()`, `set_dtype()`... reach every state through `fn`. The list states stay on the CPU: their
         # elements get only the dtype `fn` gives (a copy in flight first lands if that changes any).
-        elements = [t for attr in _list_states(self) for t in _elements(getattr(self, attr))]
-        dtypes = {dtype: _dtype_after(fn, dtype) for dtype in {t.dtype for t in elements}}
+        dtypes = {dtype: _dtype_after(fn, dtype) for dtype in {t.dtype for t in _elements(self)}}
         if any(before != after for before, after in dtypes.items()):
             _settle(self)
-            elements = [t for attr in _list_states(self) for t in _elements(getattr(self, attr))]
-        keep = functools.partial(_keep_on_cpu, fn, {id(t) for t in elements}, dtypes)
+        keep = functools.partial(_keep_on_cpu, fn, {id(t) for t in _elements(self)}, dtypes)
         # `keep` shows `fn` in its repr, from which torchmetrics tells a `.half()` from a `.to()`
         return super()._apply(keep, exclude_state) if exclude_state else super()._apply(keep)
 
@@ -163,8 +161,12 @@ class _StatesOnCPU(Metric):
         return _rebuild, (_bases[type(self)],), self.__getstate__()
 
 
-def _elements(state: Any) -> list[Tensor]:
-    return [t for t in state if isinstance(t, Tensor)] if isinstance(state, list) else []
+def _elements(metric: Metric) -> list[Tensor]:
+    """The tensors in the list states of ``metric``."""
+    lists = [
+        state for state in map(functools.partial(getattr, metric), _list_states(metric)) if isinstance(state, list)
+    ]
+    return [t for state in lists for t in state if isinstance(t, Tensor)]
 
 
 def _dtype_after(fn: Callable, dtype: torch.dtype) -> torch.dtype:
