@@ -3,13 +3,13 @@
 Usage: RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python tests/_metric_ddp_worker.py OUT_DIR
 """
 
-import json
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _support import finish_rank
 from torchmetrics import CatMetric, MetricCollection, SpearmanCorrCoef
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision
 from torchmetrics.retrieval import RetrievalMAP
@@ -145,8 +145,7 @@ def main(out_dir: Path) -> None:
         got, plain, single = _compare(make, kind, rank, with_plain=name != "retrieval_map", chunk_bytes=32)
         checks[name] = _record([got, got], [plain, single])
 
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"checks": checks}))
-    dist.destroy_process_group()
+    finish_rank(out_dir, rank, dist.get_world_size(), {"checks": checks})
 
 
 if __name__ == "__main__":

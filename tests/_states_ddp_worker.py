@@ -7,7 +7,6 @@ documented for ``_sync_dist`` (element by element, in rank order).
 Usage: RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python tests/_states_ddp_worker.py OUT_DIR
 """
 
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _metrics import ELEMENT_METRICS, EQUAL_COUNT_METRICS, SENTENCES, WRAPPERS, matrices, rouge, run_wrapper, sequences
+from _support import finish_rank
 from torchmetrics import CatMetric
 
 from lightning_store import store_states_on_cpu
@@ -164,8 +164,7 @@ def main(out_dir: Path) -> None:
         metric.to(dtype=torch.float16)
     checks["dtype_float16_elements"] = _record(_synced_raw(configured, "matrices"), _synced_raw(plain, "matrices"))
 
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"checks": checks}))
-    dist.destroy_process_group()
+    finish_rank(out_dir, rank, dist.get_world_size(), {"checks": checks})
 
 
 if __name__ == "__main__":

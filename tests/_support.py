@@ -107,6 +107,27 @@ def run_workers(
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
+def finish_rank(out: Path, rank: int, world_size: int, record: dict[str, Any]) -> None:
+    """End a rank started by :func:`run_workers`: write ``OUT/rank{rank}.json``, wait for every rank's, and exit 0.
+
+    A rank writes its record after its last collective, so once every record is there no collective is in flight,
+    and the process exits at once, without tearing its process group down: on torch 2.3 freeing a gloo group can
+    deadlock (its worker threads wait for the interpreter lock that the freeing thread holds), and a rank that
+    leaves while another still receives the last collective's data fails that rank.
+    """
+    path = out / f"rank{rank}.json"
+    path.with_suffix(".part").write_text(json.dumps(record))
+    path.with_suffix(".part").replace(path)  # whole, or not there
+    deadline = time.monotonic() + HANG_S
+    while not all((out / f"rank{other}.json").exists() for other in range(world_size)):
+        if time.monotonic() > deadline:
+            os._exit(3)
+        time.sleep(0.05)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _rank_env(rank: int, world_size: int) -> dict[str, str]:
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
 
