@@ -9,6 +9,10 @@ __all__: list[str] = []
 # `store_on_cpu` given to `log_dict`, seen by the `log` calls that Lightning's `log_dict` makes for each item
 _from_log_dict: ContextVar[bool | None] = ContextVar("lightning_store_log_dict_store_on_cpu", default=None)
 
+# the module's answer for the `self.log` call that Lightning handles now (`StoreOnCPUMixin`: the argument, else
+# `store_on_cpu_default`), read by the Trainer's result collection; `None` leaves it to `Trainer(move_metrics_to_cpu)`
+_requested: ContextVar[bool | None] = ContextVar("lightning_store_requested", default=None)
+
 
 def _as_bool(value: Any, name: str, *, optional: bool) -> bool | None:
     """``value`` as a ``bool`` (a ``numpy.bool_`` too) or ``None`` if ``optional``; else a ``TypeError`` that says how.
@@ -34,14 +38,15 @@ def _type_name(value: Any) -> str:
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _resolve(explicit: bool | None, module: Any, trainer: Any) -> bool:
-    """The explicit argument, else the module's ``store_on_cpu_default``, else ``Trainer(move_metrics_to_cpu)``."""
+def _module_policy(explicit: bool | None, module: Any) -> bool | None:
+    """The explicit argument, else the module's ``store_on_cpu_default``; ``None`` leaves it to the Trainer's flag.
+
+    The flag, ``Trainer(move_metrics_to_cpu=True)``, is read by the Trainer's result collection, which sees every
+    module's calls (see :mod:`lightning_store._collection`).
+    """
     if explicit is not None:
         return explicit
-    module_default = module.store_on_cpu_default
-    if module_default is not None:
-        return bool(_as_bool(module_default, f"{type(module).__name__}.store_on_cpu_default", optional=True))
-    return getattr(trainer, "move_metrics_to_cpu", False) is True
+    return _as_bool(module.store_on_cpu_default, f"{type(module).__name__}.store_on_cpu_default", optional=True)
 
 
 def _result_key(fx: str, name: str, add_dataloader_idx: bool, dataloader_idx: int | None) -> str:

@@ -1,7 +1,6 @@
 """The stored result of a key logged with ``store_on_cpu=True``: Lightning's ``_ResultMetric``, kept on the CPU."""
 
 import sys
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -12,9 +11,6 @@ from lightning_store._compat import _check_lightning_version
 from lightning_store.warnings import StorePolicyError
 
 _CPU = torch.device("cpu")
-
-# set by `StoreOnCPUMixin.log` while Lightning handles a call with `store_on_cpu=True`
-_storing_on_cpu: ContextVar[bool] = ContextVar("lightning_store_storing_on_cpu", default=False)
 
 
 def _policy_changed(name: str, fx: str, now: bool) -> StorePolicyError:
@@ -103,8 +99,6 @@ class _StoredOnCPU:
 
     def update(self, value: Tensor, batch_size: int) -> None:
         meta = self.meta
-        if not _storing_on_cpu.get():
-            raise _policy_changed(meta.name, meta.fx.split(".")[0], now=False)
         if value.dtype is not torch.float32 and value.dtype is not torch.float64:
             value = _floating(value, meta)
         if not meta.on_step:

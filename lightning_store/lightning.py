@@ -26,7 +26,8 @@ except ImportError as err:
         f"`lightning` {installed} is installed, but `import lightning.pytorch` failed: {err}." + hint
     ) from err
 
-from lightning_store._flag import _init_with_flag, _MoveMetricsToCPUFlag
+from lightning_store._flag import _init_with_flag
+from lightning_store._move_metrics import _MoveMetricsToCPUHooks
 from lightning_store.mixin import StoreOnCPUMixin
 
 _check_lightning_version("lightning")
@@ -34,15 +35,20 @@ _check_lightning_version("lightning")
 __all__ = ["StoreOnCPUMixin", "Trainer"]
 
 
-class Trainer(_MoveMetricsToCPUFlag, _lightning_pytorch.Trainer):
+class _MoveMetricsToCPU(_MoveMetricsToCPUHooks, _lightning_pytorch.Callback):
+    """The callback that ``Trainer(move_metrics_to_cpu=True)`` adds to itself."""
+
+
+class Trainer(_lightning_pytorch.Trainer):
     """``lightning.pytorch.Trainer`` plus ``move_metrics_to_cpu``, removed from Lightning in 2.0.
 
     The same as :class:`lightning_store.Trainer`, for modules that subclass ``lightning.pytorch.LightningModule``.
 
     Args:
         *args: as for ``lightning.pytorch.Trainer``.
-        move_metrics_to_cpu: deprecated. ``True`` makes ``store_on_cpu`` default to True for the tensors and
-            numbers that :class:`~lightning_store.StoreOnCPUMixin` modules log, with a deprecation warning.
+        move_metrics_to_cpu: deprecated. ``True`` stores on the CPU every tensor and number that the
+            LightningModule logs, as ``self.log(..., store_on_cpu=True)`` does, and the list states of its
+            torchmetrics Metrics, as :func:`~lightning_store.store_states_on_cpu` does; with a deprecation warning.
         **kwargs: as for ``lightning.pytorch.Trainer``.
 
     Raises:
@@ -54,4 +60,6 @@ class Trainer(_MoveMetricsToCPUFlag, _lightning_pytorch.Trainer):
         True
     """
 
-    __init__ = _init_with_flag(_lightning_pytorch.Trainer)
+    move_metrics_to_cpu: bool
+
+    __init__ = _init_with_flag(_lightning_pytorch.Trainer, _MoveMetricsToCPU)

@@ -140,11 +140,16 @@ def store_states_on_cpu(metric: _Configurable, *, chunk_bytes: int = DEFAULT_CHU
         return metric
     for holder in holders:
         _check_dist_sync_fn(holder)
+    _configure_together(holders, chunk_bytes)
+    return metric
+
+
+def _configure_together(holders: list[Metric], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """Configure ``holders``, Metrics with list states of their own, with one buffer: those already configured's."""
     configured = [m._cpu_states for m in holders if isinstance(m, _StatesOnCPU)]
     states = configured[0] if configured else _CPUStates()
     for holder in holders:
         _configure(holder, states, chunk_bytes)
-    return metric
 
 
 def _stores_states_on_cpu(metric: Metric) -> bool:

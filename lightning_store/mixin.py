@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_store._policy import _active_results, _as_bool, _from_log_dict, _resolve, _result_key
-from lightning_store._result import _policy_changed, _stored_on_cpu_class, _StoredOnCPU, _storing_on_cpu
+from lightning_store._collection import _install, _StoringResults
+from lightning_store._policy import _active_results, _as_bool, _from_log_dict, _module_policy, _requested
 from lightning_store.warnings import _warn_once
 
 if TYPE_CHECKING:
@@ -104,23 +104,19 @@ class StoreOnCPUMixin(_LogBase):
             StorePolicyError: if the key was logged with the other ``store_on_cpu`` before.
 
         """
-        if store_on_cpu is None:
-            store_on_cpu = _from_log_dict.get()
-        elif store_on_cpu is not True and store_on_cpu is not False:
-            store_on_cpu = _as_bool(store_on_cpu, "store_on_cpu", optional=True)
-        # performance: `self.log` runs every step; a call that doesn't store on the CPU does no more than this.
-        # Should its key be stored on the CPU already, `_StoredOnCPU.update` refuses it.
-        target = self._store_on_cpu_target(name, value, store_on_cpu, add_dataloader_idx)
-        token = registering = None
-        if target is not None:
-            token = _storing_on_cpu.set(True)
-            results, key, first_call = target
-            if first_call:
-                # Lightning registers the key and runs its first update (and sync) on the value's device: make that
-                # the collective's device, as for every later value
-                registering = self.trainer.strategy.root_device
-                if isinstance(value, Tensor) and value.device != registering:
-                    value = value.to(registering)
+        asked = store_on_cpu
+        if asked is None:
+            asked = _from_log_dict.get()
+        elif asked is not True and asked is not False:
+            asked = _as_bool(asked, "store_on_cpu", optional=True)
+        # performance: `self.log` runs every step; a call that leaves the policy to the Trainer does no more than
+        # this. The Trainer's result collection applies the policy, and refuses a key's change of policy.
+        policy = asked if asked is not None else _module_policy(None, self)
+        token = None
+        if policy is not None:
+            if policy:
+                self._prepare_to_store_on_cpu(name, value, warn_for_a_metric=asked is True)
+            token = _requested.set(policy)
         try:
             super().log(
                 name,
@@ -140,9 +136,7 @@ class StoreOnCPUMixin(_LogBase):
             )
         finally:
             if token is not None:
-                _storing_on_cpu.reset(token)
-        if registering is not None and key in results:
-            results[key] = _stored_on_cpu_class(type(results[key])).adopt(results[key], registering)
+                _requested.reset(token)
 
     def log_dict(
         self,
@@ -202,16 +196,14 @@ class StoreOnCPUMixin(_LogBase):
         finally:
             _from_log_dict.reset(token)
 
-    def _store_on_cpu_target(
-        self, name: str, value: Any, explicit: bool | None, add_dataloader_idx: bool
-    ) -> tuple[Any, str, bool] | None:
-        """Where to keep this value on the CPU: ``(results, key, first_call)``, or ``None`` to store it as usual.
+    def _prepare_to_store_on_cpu(self, name: str, value: Any, warn_for_a_metric: bool) -> None:
+        """Warn for a ``Metric``; else make the running loop's result collection apply ``store_on_cpu``.
 
-        Where Lightning will refuse or skip the call (no Trainer, ``predict_step``...), this returns ``None`` and
-        leaves the outcome to Lightning.
+        Where Lightning will refuse or skip the call (no Trainer, ``predict_step``...), nothing is prepared and the
+        outcome is left to Lightning.
         """
         if not isinstance(value, Tensor) and isinstance(value, Metric):  # the plain check first: it is faster
-            if explicit:
+            if warn_for_a_metric:
                 # `log_dict` hands each item to `self.log`: point at the user's `log_dict` line and name that call
                 # (stacklevel 4 is the caller of `log`; `log_dict` adds Lightning's `log_dict` and ours above it)
                 via_log_dict = _from_log_dict.get() is not None
@@ -227,18 +219,10 @@ class StoreOnCPUMixin(_LogBase):
                     " metric.compute(), store_on_cpu=True)`.",
                     stacklevel=6 if via_log_dict else 4,
                 )
-            return None
+            return
         trainer = self._trainer
-        if explicit is None:
-            explicit = _resolve(None, self, trainer)
-        if not explicit or trainer is None or self._fabric is not None:
-            return None
+        if trainer is None or self._fabric is not None:
+            return
         results = _active_results(trainer)
-        fx = self._current_fx_name
-        if results is None or fx is None:
-            return None
-        key = _result_key(fx, name, add_dataloader_idx, results.dataloader_idx)
-        stored = results.get(key)
-        if stored is not None and not isinstance(stored, _StoredOnCPU):
-            raise _policy_changed(name, fx, now=True)
-        return results, key, stored is None
+        if results is not None and not isinstance(results, _StoringResults):
+            _install(results, trainer.strategy.root_device)

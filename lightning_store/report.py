@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_store._collection import _loop_results
 from lightning_store._result import _StoredOnCPU, _syncs
 from lightning_store.metric_states import _settle_states, _stores_states_on_cpu
 
@@ -92,15 +93,7 @@ def format_storage_report(rows: Iterable[KeyStorage]) -> str:
 
 
 def _loops(trainer: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    epoch_loop = trainer.fit_loop.epoch_loop
-    loops = {
-        "train": epoch_loop,
-        "fit_validation": epoch_loop.val_loop,
-        "validate": trainer.validate_loop,
-        "test": trainer.test_loop,
-    }
-    for name, loop in loops.items():
-        results = getattr(loop, "_results", None)
+    for name, results in _loop_results(trainer).items():
         if results:
             yield name, results
 

@@ -2,18 +2,24 @@
 
 import pytorch_lightning as pl
 
-from lightning_store._flag import _init_with_flag, _MoveMetricsToCPUFlag
+from lightning_store._flag import _init_with_flag
+from lightning_store._move_metrics import _MoveMetricsToCPUHooks
 
 __all__ = ["Trainer"]
 
 
-class Trainer(_MoveMetricsToCPUFlag, pl.Trainer):
+class _MoveMetricsToCPU(_MoveMetricsToCPUHooks, pl.Callback):
+    """The callback that ``Trainer(move_metrics_to_cpu=True)`` adds to itself."""
+
+
+class Trainer(pl.Trainer):
     """``pytorch_lightning.Trainer`` plus ``move_metrics_to_cpu``, removed from Lightning in 2.0.
 
     Args:
         *args: as for ``pytorch_lightning.Trainer``.
-        move_metrics_to_cpu: deprecated. ``True`` makes ``store_on_cpu`` default to True for the tensors and
-            numbers that :class:`~lightning_store.StoreOnCPUMixin` modules log, with a deprecation warning.
+        move_metrics_to_cpu: deprecated. ``True`` stores on the CPU every tensor and number that the
+            LightningModule logs, as ``self.log(..., store_on_cpu=True)`` does, and the list states of its
+            torchmetrics Metrics, as :func:`~lightning_store.store_states_on_cpu` does; with a deprecation warning.
         **kwargs: as for ``pytorch_lightning.Trainer``.
 
     Raises:
@@ -26,4 +32,6 @@ class Trainer(_MoveMetricsToCPUFlag, pl.Trainer):
 
     """
 
-    __init__ = _init_with_flag(pl.Trainer)
+    move_metrics_to_cpu: bool
+
+    __init__ = _init_with_flag(pl.Trainer, _MoveMetricsToCPU)

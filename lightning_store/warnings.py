@@ -2,7 +2,7 @@
 
 import warnings
 
-from lightning_utilities.core.rank_zero import WarningCache
+from lightning_utilities.core.rank_zero import WarningCache, rank_zero_only
 
 __all__ = ["StoreOnCPUDeprecationWarning", "StoreOnCPUWarning", "StorePolicyError"]
 
@@ -64,3 +64,26 @@ def _deprecate_once(message: str, stacklevel: int = 2) -> None:
     """
     # below this function: WarningCache.deprecation -> rank_zero_deprecation -> the four frames of `_warn_once`
     _cache.deprecation(message, stacklevel=stacklevel + 5, category=StoreOnCPUDeprecationWarning)
+
+
+def _warn_once_at(message: str, filename: str | None, lineno: int, category: type[Warning] = StoreOnCPUWarning) -> None:
+    """As :func:`_warn_once` (or :func:`_deprecate_once`, by ``category``), reported at ``filename:lineno``.
+
+    For a warning whose cause is no line of the stack: a config file's key, the class of a Metric. Without a
+    ``filename``, it points at the caller of this function's caller.
+    """
+    if filename is None:
+        if category is StoreOnCPUDeprecationWarning:
+            _deprecate_once(message, stacklevel=4)
+        else:
+            _warn_once(message, stacklevel=4)
+        return
+    if message not in _cache:
+        _cache.add(message)
+        _warn_explicit(message, category, filename, lineno)
+
+
+@rank_zero_only
+def _warn_explicit(message: str, category: type[Warning], filename: str, lineno: int) -> None:
+    # no registry: the cache above shows it once per message
+    warnings.warn_explicit(message, category, filename, lineno)

@@ -207,17 +207,20 @@ class RecordingLogger(Logger):
         self.history.append((step, dict(metrics)))
 
 
-class LoggingModel(StoreOnCPUMixin, pl.LightningModule):
+class PlainLoggingModel(pl.LightningModule):
     """Logs every reduction at every level in training, validation and test, from tensors and from numbers.
+
+    A plain LightningModule, as a Lightning 1.x project has them; :class:`LoggingModel` is the same with the mixin.
 
     Args:
         store_on_cpu: passed to every ``self.log`` call (``None``: not passed).
         explicit_batch_size: pass ``batch_size`` to ``self.log`` instead of letting Lightning infer it.
-        check_storage: after each call, assert that every tensor kept for a key stored on the CPU is on the CPU.
+        check_storage: after each call, assert that every tensor kept for a key stored on the CPU is on the CPU
+            (with ``store_on_cpu=True``, or under ``Trainer(move_metrics_to_cpu=True)``).
     """
 
     def __init__(
-        self, store_on_cpu: bool | None = True, explicit_batch_size: bool = False, check_storage: bool = True
+        self, store_on_cpu: bool | None = None, explicit_batch_size: bool = False, check_storage: bool = True
     ) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(3, 1)
@@ -261,7 +264,7 @@ class LoggingModel(StoreOnCPUMixin, pl.LightningModule):
         return loss
 
     def _check_storage(self) -> None:
-        if not self.check_storage or not self.store:
+        if not self.check_storage or not (self.store or getattr(self.trainer, "move_metrics_to_cpu", False)):
             return
         from lightning_store._result import _StoredOnCPU
 
@@ -287,6 +290,72 @@ class LoggingModel(StoreOnCPUMixin, pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class LoggingModel(StoreOnCPUMixin, PlainLoggingModel):
+    """:class:`PlainLoggingModel` with the mixin; ``store_on_cpu`` is passed to every call (``None``: not passed)."""
+
+    def __init__(self, store_on_cpu: bool | None = True, **kwargs: Any) -> None:
+        super().__init__(store_on_cpu, **kwargs)
+
+
+class LoggingCallback(pl.Callback):
+    """Logs from callback hooks, with ``pl_module.log``, in training and in every evaluation loop."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        pl_module.log("cb_train_batch", batch[0].sum() * 2, on_step=True, on_epoch=True)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        pl_module.log("cb_train_epoch", float(trainer.current_epoch) + 0.25, reduce_fx="max")
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        pl_module.log("cb_val_batch", pl_module.layer.weight.sum(), reduce_fx="sum")
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        pl_module.log("cb_val_epoch", torch.tensor(3.5), reduce_fx="min")
+
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        pl_module.log("cb_test_batch", pl_module.layer.bias.sum() - 1)
+
+
+def run_everything(
+    model: pl.LightningModule, trainer_kwargs: dict[str, Any], trainer_class: type = pl.Trainer, **flag: Any
+) -> tuple[pl.Trainer, dict[str, dict[str, Any]]]:
+    """``fit`` (2 epochs, 2 validation loaders), then ``validate`` and ``test`` (2 loaders each); what was seen.
+
+    Returns:
+        The Trainer, and what it handed out: callback, logged and progress bar metrics after ``fit``, the results
+        of ``validate`` and ``test``, the callback metrics at the end, and every ``log_metrics`` call.
+    """
+    torch.manual_seed(0)
+    recorder = RecordingLogger()
+    trainer = trainer_class(**{**trainer_kwargs, "logger": recorder}, max_epochs=2, log_every_n_steps=1, **flag)
+    val_loaders = [loader(seed=1), loader(n=7, seed=2)]
+    trainer.fit(model, loader(), val_loaders)
+    seen = {
+        "fit_callback": dict(trainer.callback_metrics),
+        "fit_logged": dict(trainer.logged_metrics),
+        "fit_pbar": dict(trainer.progress_bar_metrics),
+    }
+    validated = trainer.validate(model, val_loaders, verbose=False)
+    tested = trainer.test(model, [loader(seed=3), loader(n=5, seed=4)], verbose=False)
+    seen["validate"] = {f"{i}/{k}": v for i, d in enumerate(validated) for k, v in d.items()}
+    seen["test"] = {f"{i}/{k}": v for i, d in enumerate(tested) for k, v in d.items()}
+    seen["callback"] = dict(trainer.callback_metrics)
+    seen["history"] = {f"{n}:{step}:{k}": v for n, (step, d) in enumerate(recorder.history) for k, v in d.items()}
+    return trainer, seen
+
+
+def all_results(trainer: Any) -> Iterator[tuple[str, Any]]:
+    """Every ``(key, result)`` that the Trainer's loops keep."""
+    loops = (
+        trainer.fit_loop.epoch_loop,
+        trainer.fit_loop.epoch_loop.val_loop,
+        trainer.validate_loop,
+        trainer.test_loop,
+    )
+    for loop in loops:
+        yield from loop._results.items()
 
 
 def stored_tensors(result: Any) -> Iterator[torch.Tensor]:

@@ -56,3 +56,39 @@ def test_every_cpu_stored_key_kept_its_state_on_the_cpu_on_every_rank(ddp_run):
         for key in cpu_keys:
             class_name, devices = seen["storage"][key]
             assert class_name.startswith("_StoredOnCPU") and devices and set(devices) == {"cpu"}, key
+
+
+FLAG_WORKER = Path(__file__).with_name("_flag_ddp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def flag_run(tmp_path_factory):
+    """Both ranks' records of a module without the mixin fitted by a plain Trainer, then under the flag."""
+    return run_workers(FLAG_WORKER, tmp_path_factory.mktemp("flag_ddp"))
+
+
+@pytest.mark.distributed
+def test_the_flag_reduces_every_key_as_plain_lightning_does_bit_for_bit(flag_run):
+    for seen in flag_run:
+        plain, flagged = seen["plain"], seen["flag"]
+        assert plain["logged"] and plain["callback_metrics"]
+        # floats through JSON keep every bit of a float64, so equality is bit for bit
+        assert flagged["logged"] == plain["logged"]
+        assert flagged["callback_metrics"] == plain["callback_metrics"]
+        assert {"train_sum_01", "train_mean_11_epoch", "val_max_01", "train_number", "auroc"} <= set(
+            plain["callback_metrics"]
+        )
+        assert flagged["class"] == plain["class"] == "PlainSyncModel"
+    assert flag_run[0]["plain"]["callback_metrics"] == flag_run[1]["plain"]["callback_metrics"]  # reduced: the same
+
+
+@pytest.mark.distributed
+def test_the_flag_keeps_every_key_and_the_metrics_list_states_on_the_cpu_on_every_rank(flag_run):
+    for seen in flag_run:
+        plain, flagged = seen["plain"], seen["flag"]
+        assert sorted(flagged["storage"]) == sorted(plain["storage"]) and len(plain["storage"]) == 4 * 3 + 2
+        for key, (class_name, devices) in flagged["storage"].items():
+            assert class_name.startswith("_StoredOnCPU") and devices == ["cpu"], key
+        assert not any(name.startswith("_StoredOnCPU") for name, _ in plain["storage"].values())
+        assert flagged["auroc_on_cpu"] is True and plain["auroc_on_cpu"] is False
+        assert set(flagged["devices"].values()) == {"cpu"}

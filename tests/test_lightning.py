@@ -11,9 +11,12 @@ from _support import assert_same, loader
 
 L = pytest.importorskip("lightning.pytorch")
 
+from torchmetrics.classification import BinaryAUROC  # noqa: E402
+
 from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, _compat  # noqa: E402
 from lightning_store._result import _StoredOnCPU  # noqa: E402
 from lightning_store.lightning import Trainer  # noqa: E402
+from lightning_store.metric_states import _stores_states_on_cpu  # noqa: E402
 
 
 class Model(StoreOnCPUMixin, L.LightningModule):
@@ -66,6 +69,52 @@ def test_the_lightning_trainer_takes_the_flag(quiet_trainer_kwargs):
         trainer = _fit(Trainer, quiet_trainer_kwargs, Model(), move_metrics_to_cpu=True)
     assert isinstance(trainer, L.Trainer) and trainer.move_metrics_to_cpu
     assert len(_stored_keys(trainer)) == 4
+
+
+class PlainModel(L.LightningModule):
+    """A module of the `lightning.pytorch` namespace without the mixin, as a Lightning 1.x project has them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(3, 1)
+        self.auroc = BinaryAUROC(thresholds=None)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        self.log_dict({"peak": loss, "low": -loss}, reduce_fx="max")
+        self.auroc.update(torch.sigmoid(self.layer(batch[0])).squeeze(1), (batch[0][:, 0] > 0).long())
+        return loss
+
+    def on_train_epoch_end(self):
+        self.log("auroc", self.auroc.compute())
+        self.auroc.reset()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val", batch[0].mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_flag_stores_a_plain_lightning_pytorch_module_on_cpu_with_the_values_of_lightning(quiet_trainer_kwargs):
+    plain = _fit(L.Trainer, quiet_trainer_kwargs, PlainModel())
+    model = PlainModel()
+    with pytest.warns(StoreOnCPUDeprecationWarning):
+        stored = _fit(Trainer, quiet_trainer_kwargs, model, move_metrics_to_cpu=True)
+    assert _stored_keys(stored) == [
+        "on_train_epoch_end.auroc",
+        "training_step.loss",
+        "training_step.low",
+        "training_step.peak",
+        "validation_step.val",
+    ]
+    assert_same(dict(plain.callback_metrics), dict(stored.callback_metrics))
+    assert type(model) is PlainModel and _stores_states_on_cpu(model.auroc)
+    assert [type(c).__mro__[2].__module__ for c in stored.callbacks if "MoveMetrics" in type(c).__name__] == [
+        "lightning.pytorch.callbacks.callback"
+    ]
 
 
 def test_the_pytorch_lightning_trainer_refuses_a_lightning_module(quiet_trainer_kwargs):

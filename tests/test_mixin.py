@@ -6,7 +6,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torchmetrics
-from _support import LoggingModel, RecordingLogger, assert_same, loader, stored_tensors
+from _support import LoggingModel, RecordingLogger, all_results, assert_same, loader, run_everything, stored_tensors
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
@@ -16,35 +16,9 @@ from lightning_store._result import _StoredOnCPU
 result_module = pytest.importorskip("pytorch_lightning.trainer.connectors.logger_connector.result")
 
 
-def _all_results(trainer):
-    loops = (
-        trainer.fit_loop.epoch_loop,
-        trainer.fit_loop.epoch_loop.val_loop,
-        trainer.validate_loop,
-        trainer.test_loop,
-    )
-    for loop in loops:
-        yield from loop._results.items()
-
-
 def _run_everything(store_on_cpu, explicit_batch_size, trainer_kwargs):
-    torch.manual_seed(0)
     model = LoggingModel(store_on_cpu=store_on_cpu, explicit_batch_size=explicit_batch_size)
-    recorder = RecordingLogger()
-    trainer = pl.Trainer(**{**trainer_kwargs, "logger": recorder}, max_epochs=2, log_every_n_steps=1)
-    val_loaders = [loader(seed=1), loader(n=7, seed=2)]
-    trainer.fit(model, loader(), val_loaders)
-    seen = {
-        "fit_callback": dict(trainer.callback_metrics),
-        "fit_logged": dict(trainer.logged_metrics),
-        "fit_pbar": dict(trainer.progress_bar_metrics),
-    }
-    validated = trainer.validate(model, val_loaders, verbose=False)
-    tested = trainer.test(model, [loader(seed=3), loader(n=5, seed=4)], verbose=False)
-    seen["validate"] = {f"{i}/{k}": v for i, d in enumerate(validated) for k, v in d.items()}
-    seen["test"] = {f"{i}/{k}": v for i, d in enumerate(tested) for k, v in d.items()}
-    seen["callback"] = dict(trainer.callback_metrics)
-    seen["history"] = {f"{n}:{step}:{k}": v for n, (step, d) in enumerate(recorder.history) for k, v in d.items()}
+    trainer, seen = run_everything(model, trainer_kwargs)
     return trainer, model, seen
 
 
@@ -59,7 +33,7 @@ def test_values_are_those_lightning_gives_bit_for_bit(explicit_batch_size, quiet
     assert {"training_step.train_sum_11", "validation_step.val_min_10.1", "test_step.test_num_max_01.0"} <= (
         model.checked_keys
     )
-    tensor_results = [(key, result) for key, result in _all_results(trainer) if result.is_tensor]
+    tensor_results = [(key, result) for key, result in all_results(trainer) if result.is_tensor]
     assert len(tensor_results) == 25 + 3 * 2 * 25  # training (1 loader); fit validation, validate, test (2 each)
     for key, result in tensor_results:
         assert isinstance(result, _StoredOnCPU), key
@@ -69,7 +43,7 @@ def test_values_are_those_lightning_gives_bit_for_bit(explicit_batch_size, quiet
 def test_store_on_cpu_false_keeps_lightning_storage(quiet_trainer_kwargs):
     trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
     trainer.fit(LoggingModel(store_on_cpu=False), loader())
-    assert not any(isinstance(result, _StoredOnCPU) for _, result in _all_results(trainer))
+    assert not any(isinstance(result, _StoredOnCPU) for _, result in all_results(trainer))
 
 
 class _DefaultOnModule(LoggingModel):
@@ -88,7 +62,7 @@ def test_module_default_applies_to_calls_without_store_on_cpu(quiet_trainer_kwar
 def test_explicit_false_overrides_module_default(quiet_trainer_kwargs):
     trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
     trainer.fit(_DefaultOnModule(store_on_cpu=False), loader())
-    assert not any(isinstance(result, _StoredOnCPU) for _, result in _all_results(trainer))
+    assert not any(isinstance(result, _StoredOnCPU) for _, result in all_results(trainer))
 
 
 class _OneKeyModel(StoreOnCPUMixin, pl.LightningModule):

@@ -6,17 +6,12 @@ import pytorch_lightning as pl
 import torch
 from _support import LoggingModel, loader
 
-from lightning_store._policy import _active_results, _as_bool, _resolve, _result_key
+from lightning_store._policy import _active_results, _as_bool, _module_policy, _result_key
 
 
 class _Module:
     def __init__(self, default=None):
         self.store_on_cpu_default = default
-
-
-class _Trainer:
-    def __init__(self, flag):
-        self.move_metrics_to_cpu = flag
 
 
 def test_optional_bool_message():
@@ -68,23 +63,13 @@ def test_numpy_is_not_imported_to_check_a_bool(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("explicit", "module_default", "flag", "expected"),
-    [
-        (True, False, False, True),
-        (False, True, True, False),
-        (None, True, False, True),
-        (None, False, True, False),
-        (None, None, True, True),
-        (None, None, False, False),
-    ],
+    ("explicit", "module_default", "expected"),
+    [(True, False, True), (False, True, False), (None, True, True), (None, False, False), (None, None, None)],
 )
-def test_resolution_order_is_argument_then_module_then_trainer(explicit, module_default, flag, expected):
-    assert _resolve(explicit, _Module(module_default), _Trainer(flag)) is expected
-
-
-def test_a_plain_trainer_or_none_means_false():
-    assert _resolve(None, _Module(), object()) is False
-    assert _resolve(None, _Module(), None) is False
+def test_the_module_answers_with_the_argument_then_its_default_else_leaves_it_to_the_trainer(
+    explicit, module_default, expected
+):
+    assert _module_policy(explicit, _Module(module_default)) is expected
 
 
 def test_the_key_is_lightnings():

@@ -3,17 +3,8 @@ import torch
 from _support import REDUCTIONS, ManualTransfer, assert_same
 from pytorch_lightning.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
 
-from lightning_store import StorePolicyError, _result
+from lightning_store import _result
 from lightning_store._result import _stored_on_cpu_class, _StoredOnCPU
-
-
-@pytest.fixture(autouse=True)
-def _as_from_store_on_cpu_calls():
-    """The updates below stand for ``self.log(..., store_on_cpu=True)`` calls, as the mixin marks them."""
-    token = _result._storing_on_cpu.set(True)
-    yield
-    _result._storing_on_cpu.reset(token)
-
 
 VALUES = [(1.5, 4), (-2.25, 4), (float("nan"), 2), (7.0, 3), (0.125, 1)]
 
@@ -169,15 +160,3 @@ def test_rank_zero_only_never_calls_the_collective(monkeypatch):
     stored.meta.sync = _Sync(_should=True, fn=collective, rank_zero_only=True)
     stored.forward(torch.tensor(3.0), 1)
     assert stored.compute().item() == 4.5 and collective.calls == 0
-
-
-def test_an_update_not_marked_as_store_on_cpu_is_refused():
-    """What a later ``self.log(..., store_on_cpu=False)`` for the key meets; nothing is folded."""
-    _, stored = _pair(_meta("sum"))
-    token = _result._storing_on_cpu.set(False)
-    try:
-        with pytest.raises(StorePolicyError, match=r"store_on_cpu=False\)` in `training_step` but 'x' was logged"):
-            stored.forward(torch.tensor(5.0), 1)
-    finally:
-        _result._storing_on_cpu.reset(token)
-    assert stored.value.item() == 1.5

@@ -9,7 +9,7 @@ import torch
 from _support import LoggingModel, assert_same, loader
 
 from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, StoreOnCPUWarning, Trainer, _result
-from lightning_store._policy import _resolve
+from lightning_store._collection import _StoringResults
 from lightning_store._result import _StoredOnCPU
 
 
@@ -81,12 +81,11 @@ class _Plain(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def test_flag_on_a_module_without_the_mixin_warns_that_it_has_no_effect(quiet_trainer_kwargs):
-    with pytest.warns(
-        StoreOnCPUWarning, match=r"has no effect on `_Plain`: it only sets the default of `store_on_cpu`"
-    ):
-        trainer = _fit(quiet_trainer_kwargs, _Plain(), move_metrics_to_cpu=True)
-    assert "loss" in trainer.callback_metrics
+def test_flag_stores_the_keys_of_a_module_without_the_mixin_on_the_cpu(quiet_trainer_kwargs, recwarn):
+    trainer = _fit(quiet_trainer_kwargs, _Plain(), move_metrics_to_cpu=True)
+    assert type(trainer.lightning_module) is _Plain
+    assert _stored(trainer) == {"loss"} and trainer.callback_metrics["loss"].is_cpu
+    assert not [w for w in recwarn if issubclass(w.category, StoreOnCPUWarning)]
 
 
 def test_flag_on_a_metric_gets_no_metric_warning(quiet_trainer_kwargs, recwarn):
@@ -191,17 +190,16 @@ def test_a_numpy_bool_is_taken_for_the_flag(quiet_trainer_kwargs):
     assert trainer.move_metrics_to_cpu is True
 
 
-def test_a_compiled_module_is_looked_through(quiet_trainer_kwargs, recwarn):
+def test_the_flag_applies_to_a_compiled_module(quiet_trainer_kwargs, recwarn):
     # no batch is run: a compiled step would take a minute to compile here, and on torch 2.13 with Lightning 2.6
     # a compiled step that calls `self.log` fails inside dynamo with or without lightning-store
     trainer_kwargs = {**quiet_trainer_kwargs, "limit_train_batches": 0}
-    trainer = _fit(trainer_kwargs, torch.compile(LoggingModel(store_on_cpu=None)), move_metrics_to_cpu=True)
+    for model in (LoggingModel(store_on_cpu=None), _Plain()):
+        trainer = _fit(trainer_kwargs, torch.compile(model), move_metrics_to_cpu=True)
+        assert trainer.lightning_module is model
+        results = trainer.fit_loop.epoch_loop._results
+        assert isinstance(results, _StoringResults) and results._move_metrics_to_cpu is True
     assert not [w for w in recwarn if issubclass(w.category, StoreOnCPUWarning)]
-    assert isinstance(trainer.lightning_module, LoggingModel)
-    assert _resolve(None, trainer.lightning_module, trainer) is True  # the flag applies to the compiled module
-
-    with pytest.warns(StoreOnCPUWarning, match="has no effect on `_Plain`"):
-        _fit(trainer_kwargs, torch.compile(_Plain()), move_metrics_to_cpu=True)
 
 
 @pytest.mark.parametrize("store_on_cpu", [False, True])

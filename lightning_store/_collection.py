@@ -1,0 +1,102 @@
+"""Where a Trainer keeps logged results: Lightning's ``_ResultCollection``, with some keys stored on the CPU."""
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_store._compat import _check_lightning_version
+from lightning_store._policy import _requested, _result_key
+from lightning_store._result import _policy_changed, _stored_on_cpu_class, _StoredOnCPU
+
+
+class _StoringResults:
+    """Put in front of Lightning's ``_ResultCollection`` (see :func:`_install`): one storage policy per call.
+
+    A tensor logged with ``store_on_cpu=True`` (the module's answer, in :data:`~._policy._requested`) or, where the
+    module leaves it open, under ``Trainer(move_metrics_to_cpu=True)`` (``_move_metrics_to_cpu``) is kept by a
+    :class:`~._result._StoredOnCPU`; every other call is Lightning's own. A ``Metric`` is always Lightning's.
+    """
+
+    _move_metrics_to_cpu: bool = False  # the Trainer's flag: the policy of a call the module leaves open
+    _sync_device: torch.device  # where collectives run and where logged values come from
+    _lightning_class: type  # set on each class `_storing_class` makes
+    dataloader_idx: int | None  # Lightning's
+
+    def log(self, fx: str, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        log = super().log  # type: ignore[misc]
+        if not isinstance(value, Tensor):  # a Metric: logged as usual (the mixin warns where it was asked)
+            return log(fx, name, value, *args, **kwargs)
+        store = _requested.get()
+        if store is None:
+            store = self._move_metrics_to_cpu
+        key = _result_key(fx, name, kwargs.get("add_dataloader_idx", True), self.dataloader_idx)
+        stored = self.get(key)  # type: ignore[attr-defined]
+        if stored is None:
+            if not store:
+                return log(fx, name, value, *args, **kwargs)
+            # Lightning registers the key and runs its first update (and sync) on the value's device: make that
+            # the collective's device, as for every later value; then the state moves to the CPU like any value
+            device = self._sync_device
+            log(fx, name, value if value.device == device else value.to(device), *args, **kwargs)
+            self[key] = _stored_on_cpu_class(type(self[key])).adopt(self[key], device)  # type: ignore[index]
+            return None
+        if isinstance(stored, _StoredOnCPU) is not store:
+            raise _policy_changed(name, fx, now=store)
+        return log(fx, name, value, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # the class is made at run time, so pickle could not find it by name: it is made again from Lightning's
+        return _unpickle, (self._lightning_class,), dict(vars(self)), None, iter(self.items())  # type: ignore[attr-defined]
+
+
+def _unpickle(lightning_class: type) -> _StoringResults:
+    """An empty collection of the class that stores for ``lightning_class``, for pickle to fill."""
+    storing_class = _storing_class(lightning_class)
+    return storing_class.__new__(storing_class)
+
+
+_classes: dict[type, type[_StoringResults]] = {}
+
+
+def _storing_class(collection_class: type) -> type[_StoringResults]:
+    """``_StoringResults`` put in front of the ``_ResultCollection`` of the Lightning namespace in use (made once)."""
+    if collection_class not in _classes:
+        if collection_class.__module__.startswith("lightning."):
+            _check_lightning_version("lightning")
+        attributes = {"_lightning_class": collection_class}
+        _classes[collection_class] = type(
+            f"_Storing{collection_class.__name__}", (_StoringResults, collection_class), attributes
+        )
+    return _classes[collection_class]
+
+
+def _install(results: Any, sync_device: torch.device, *, move_metrics_to_cpu: bool | None = None) -> None:
+    """Make ``results``, one of a Trainer's result collections, store on the CPU what its calls ask to, in place.
+
+    Lightning holds the collection in its loops: its class is changed, not the object, so every reference to it
+    stays valid. A call that asks for nothing is Lightning's own, so the change is harmless once the run ends.
+
+    Args:
+        results: a ``_ResultCollection`` of either Lightning namespace.
+        sync_device: the strategy's ``root_device``.
+        move_metrics_to_cpu: the Trainer's flag; ``None`` leaves it as it is (``False`` at first).
+    """
+    if not isinstance(results, _StoringResults):
+        results.__class__ = _storing_class(type(results))
+    results._sync_device = sync_device
+    if move_metrics_to_cpu is not None:
+        results._move_metrics_to_cpu = move_metrics_to_cpu
+
+
+def _loop_results(trainer: Any) -> dict[str, Any]:
+    """The result collection of each loop of ``trainer`` that logs, by the loop's name in ``storage_report``."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    loops = {
+        "train": epoch_loop,
+        "fit_validation": getattr(epoch_loop, "val_loop", None),
+        "validate": trainer.validate_loop,
+        "test": trainer.test_loop,
+    }
+    found = {name: getattr(loop, "_results", None) for name, loop in loops.items()}
+    return {name: results for name, results in found.items() if results is not None}
