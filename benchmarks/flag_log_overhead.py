@@ -21,6 +21,7 @@ import random
 import statistics
 import time
 import warnings
+from typing import ClassVar
 
 import pytorch_lightning as pl
 import torch
@@ -40,7 +41,7 @@ WAYS = (BASELINE, *GOALS, REFERENCE)
 
 
 class _Plain(pl.LightningModule):
-    store: dict[str, bool] = {}
+    store: ClassVar[dict[str, bool]] = {}  # what `self.log` gets besides LOG_KWARGS
 
     def __init__(self, keys: int) -> None:
         super().__init__()
@@ -62,7 +63,7 @@ class _Plain(pl.LightningModule):
 
 
 class _Mixin(lightning_store.StoreOnCPUMixin, _Plain):
-    store = {"store_on_cpu": True}
+    store: ClassVar[dict[str, bool]] = {"store_on_cpu": True}
 
 
 def fit(way: str, keys: int, steps: int) -> float:
