@@ -1,10 +1,12 @@
 """Step time, device memory and host-device syncs of logging on a GPU: does ``store_on_cpu`` cost step time?
 
-Four ways to log, in a real ``Trainer`` loop, with 1, 10 and 50 keys logged every step (``on_step`` and
+Five ways to log, in a real ``Trainer`` loop, with 1, 10 and 50 keys logged every step (``on_step`` and
 ``on_epoch``), on a small launch-bound model and a medium GPU-bound one:
 
   (a) no logging,  (b) ``self.log(name, value)`` kept on the device (plain Lightning),
-  (c) ``self.log(name, value.cpu())`` (the naive offload),  (d) ``self.log(name, value, store_on_cpu=True)``.
+  (c) ``self.log(name, value.cpu())`` (the naive offload),  (d) ``self.log(name, value, store_on_cpu=True)``,
+  (e) (d) with the copy ordering before issue 18: the training stream does not wait for the copy to the CPU, so
+      a change of the value in place right after the call could reach the copy (``d / e`` is what the fix costs).
 
 Runs are interleaved round after round in a shuffled order; each figure is the median over rounds of the
 measured epoch's time per step (the first epoch warms up). Then, for 10 keys on the small model: the bytes that
@@ -35,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from lightning_store import StoreOnCPUMixin, _buffer, storage_report
 
-VARIANTS = ("a: no logging", "b: on device", "c: value.cpu()", "d: store_on_cpu")
+VARIANTS = ("a: no logging", "b: on device", "c: value.cpu()", "d: store_on_cpu", "e: d, unordered")
 MODELS = {"small": (32, 2, 64), "medium": (8192, 4, 1024)}  # width, depth, batch
 
 
@@ -64,7 +66,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def make_module(variant: str, model: str, keys: int, count_syncs: bool = False) -> pl.LightningModule:
-    base = (StoreOnCPUMixin, pl.LightningModule) if variant.startswith("d") else (pl.LightningModule,)
+    base = (StoreOnCPUMixin, pl.LightningModule) if variant[0] in "de" else (pl.LightningModule,)
     width, depth, batch = MODELS[model]
 
     class Bench(*base):
@@ -119,7 +121,12 @@ def fit(variant: str, model: str, keys: int, steps: int, device: str, count_sync
         num_sanity_val_steps=0,
         callbacks=[timer],
     )
-    trainer.fit(module, DataLoader(range(steps), batch_size=None))
+    unordered = variant.startswith("e")  # a private switch, for this benchmark only
+    _buffer._CUDATransfer._producer_waits = not unordered
+    try:
+        trainer.fit(module, DataLoader(range(steps), batch_size=None))
+    finally:
+        _buffer._CUDATransfer._producer_waits = True
     return timer, module
 
 
@@ -173,18 +180,20 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, pytorch-lightning {pl.__version__};"
         f" {rounds} round(s) x {steps} steps; `python benchmarks/gpu_step_time.py`",
         "",
-        "| model | keys | (a) none ms | (b) on device ms | (c) .cpu() ms | (d) store_on_cpu ms | d / b | c / b |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | keys | (a) none ms | (b) on device ms | (c) .cpu() ms | (d) store_on_cpu ms | d / b | c / b |"
+        " (e) d, unordered ms | d / e |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     plot: dict[str, dict[str, list[float]]] = {m: {v: [] for v in VARIANTS} for m in models}
     for model in models:
         none_ms = statistics.median(times[(model, VARIANTS[0], 0)]) * 1e3
         for keys in key_counts:
-            b, c, d = (statistics.median(times[(model, v, keys)]) * 1e3 for v in VARIANTS[1:])
+            b, c, d, e = (statistics.median(times[(model, v, keys)]) * 1e3 for v in VARIANTS[1:])
             lines.append(
                 f"| {model} | {keys} | {none_ms:.3f} | {b:.3f} | {c:.3f} | {d:.3f} | {d / b:.3f} | {c / b:.3f} |"
+                f" {e:.3f} | {d / e:.3f} |"
             )
-            for variant, value in zip(VARIANTS, (none_ms, b, c, d), strict=True):
+            for variant, value in zip(VARIANTS, (none_ms, b, c, d, e), strict=True):
                 plot[model][variant].append(value)
 
     lines += [
@@ -200,7 +209,7 @@ def main() -> None:
         finally:
             counter.restore()
         syncs = statistics.mean(module.syncs[len(module.syncs) // 2 :])  # steady state, the second epoch
-        waited = counter.blocked / (2 * max(steps, 10)) if variant.startswith("d") else float("nan")
+        waited = counter.blocked / (2 * max(steps, 10)) if variant[0] in "de" else float("nan")
         lines.append(f"| {variant} | {timer.device_bytes} | {syncs:.2f} | {waited:.2f} |")
     lines += ["", f"total {time.perf_counter() - started:.0f} s"]
     report = "\n".join(lines)

@@ -32,12 +32,16 @@ class _Transfer(Protocol):
 
 
 class _Landed:
-    """A copy that is already on the CPU: a value from another device than the transfer's."""
+    """A copy that is already on the CPU: a value from another device than the transfer's, copied at once.
+
+    The copy is its own for a CPU value too: folded after the copies in flight before it, it must not see a change
+    of the value in place meanwhile.
+    """
 
     __slots__ = ("_tensor",)
 
     def __init__(self, tensor: Tensor) -> None:
-        self._tensor = tensor
+        self._tensor = tensor.to("cpu", copy=True)
 
     def ready(self) -> bool:
         return True
@@ -74,11 +78,15 @@ class _Slot:
 class _CUDATransfer:
     """Non-blocking copies into a small pool of pinned memory, on a side stream of the value's device.
 
-    The copy stream first waits for the stream that produced the value, so the copy reads a finished value, and it
-    never serialises with the training or NCCL streams. The landing event is recorded on the value's own device.
+    The copy stream first waits for the stream that produced the value (the current stream), so the copy reads a
+    finished value; that stream then waits for the copy, so its later kernels (an in-place change of the value, say)
+    run after the copy has read it: the copy holds the value as it was at :meth:`start`, as Lightning's own
+    ``self.log`` and torchmetrics' ``compute_on_cpu`` keep it. Both waits are on the device, never on the host, and
+    the copy never waits for the NCCL streams. The landing event is recorded on the value's own device.
     """
 
     pool_size = 64
+    _producer_waits = True  # False only in `benchmarks/gpu_step_time.py`: the ordering before issue 18, to time it
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -87,15 +95,18 @@ class _CUDATransfer:
 
     def start(self, tensor: Tensor) -> _Copy:
         if tensor.device != self.device:
-            return _Landed(tensor.to("cpu"))
+            return _Landed(tensor)
         pool = self._pools.setdefault((tensor.dtype, tensor.shape), [])
         slot = pool.pop() if pool else _Slot(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), pool)
+        producer = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device):
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._stream.wait_stream(producer)
             with torch.cuda.stream(self._stream):
                 slot.host.copy_(tensor, non_blocking=True)
                 slot.event.record(self._stream)
-        # the caching allocator must not hand the value's memory out again before the copy stream has read it
+            if self._producer_waits:
+                producer.wait_event(slot.event)
+        # kept: the allocator reuses the memory on the stream that allocated it, not always the one made to wait
         tensor.record_stream(self._stream)
         return slot
 
@@ -133,7 +144,11 @@ class _CopyBuffer:
         return len(self._pending)
 
     def put(self, tensor: Tensor, fold: _Fold) -> None:
-        """Start copying ``tensor`` and call ``fold`` with its host copy once it has landed."""
+        """Start copying ``tensor`` and call ``fold`` with its host copy once it has landed.
+
+        The host copy holds the value as it was at this call: a change of ``tensor`` in place afterwards, on the
+        device or on the CPU, does not reach it.
+        """
         if self._transfer is None:
             fold(tensor if tensor.is_cpu else tensor.to("cpu"))
             return

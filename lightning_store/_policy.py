@@ -46,7 +46,10 @@ def _module_policy(explicit: bool | None, module: Any) -> bool | None:
     """
     if explicit is not None:
         return explicit
-    return _as_bool(module.store_on_cpu_default, f"{type(module).__name__}.store_on_cpu_default", optional=True)
+    default = module.store_on_cpu_default
+    if default is None or default is True or default is False:  # performance: no message made on every call
+        return default
+    return _as_bool(default, f"{type(module).__name__}.store_on_cpu_default", optional=True)
 
 
 def _result_key(fx: str, name: str, add_dataloader_idx: bool, dataloader_idx: int | None) -> str:

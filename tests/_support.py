@@ -2,6 +2,7 @@
 one runner of multi-process tests, :func:`run_workers`."""
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -17,11 +18,18 @@ from typing import Any
 
 import pytest
 import pytorch_lightning as pl
+import pytorch_lightning.cli
 import torch
 from pytorch_lightning.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_store import StoreOnCPUMixin
+
+# what `LightningCLI` needs, as Lightning checks it (`jsonargparse[signatures]` of some version)
+CLI_AVAILABLE = bool(
+    getattr(pytorch_lightning.cli, "_JSONARGPARSE_SIGNATURES_AVAILABLE", importlib.util.find_spec("jsonargparse"))
+)
+CLI_REASON = "LightningCLI needs jsonargparse[signatures], which is not installed here"
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 LEVELS = ((True, False), (False, True), (True, True))  # (on_step, on_epoch)
@@ -264,7 +272,12 @@ class PlainLoggingModel(pl.LightningModule):
         return loss
 
     def _check_storage(self) -> None:
-        if not self.check_storage or not (self.store or getattr(self.trainer, "move_metrics_to_cpu", False)):
+        expected = self.store  # as the policy resolves: the argument, the module's default, the Trainer's flag
+        if expected is None:
+            expected = getattr(self, "store_on_cpu_default", None)
+        if expected is None:
+            expected = getattr(self.trainer, "move_metrics_to_cpu", False)
+        if not self.check_storage or not expected:
             return
         from lightning_store._result import _StoredOnCPU
 

@@ -1,3 +1,4 @@
+import os
 import sys
 
 import pytest
@@ -14,6 +15,15 @@ def _fresh_warning_cache():
     store_warnings._cache.clear()
     yield
     store_warnings._cache.clear()
+
+
+@pytest.fixture
+def kept_environment():
+    """The environment as it was before the test: ``LightningCLI`` seeds everything, which sets ``PL_GLOBAL_SEED``."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@ import pytest
 import torch
 from _support import ManualTransfer
 
-from lightning_store._buffer import _CopyBuffer, _transfer_for
+from lightning_store._buffer import _CopyBuffer, _Landed, _transfer_for
 
 
 def _collector():
@@ -94,6 +94,14 @@ def test_a_failing_fold_still_releases_its_memory_and_leaves_the_rest_pending():
     assert folded == [2.0]
 
 
+def test_a_value_from_another_device_is_copied_at_once_so_a_later_change_in_place_does_not_reach_its_fold():
+    """A value not on the transfer's device is folded after the copies in flight before it: it needs its own copy."""
+    value = torch.tensor([1.0, 2.0])
+    landed = _Landed(value)
+    value.mul_(10)
+    assert landed.ready() and torch.equal(landed.wait(), torch.tensor([1.0, 2.0]))
+
+
 def test_cpu_and_other_devices_get_no_transfer():
     assert _transfer_for(torch.device("cpu")) is None
     assert _transfer_for(torch.device("meta")) is None
@@ -120,3 +128,25 @@ def test_cuda_transfer_lands_exact_values_in_pinned_memory_and_reuses_it():
     buffer.drain()
     assert torch.equal(torch.stack(folded), torch.stack([(v * 3).cpu() for v in values]))
     assert len(set(hosts)) < len(values)  # pinned memory was reused, not allocated per copy
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_value_changed_in_place_right_after_put_lands_as_it_was():
+    """The copy and the change wait together behind a busy GPU, then start at once: the change must wait (issue 18)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer = _CopyBuffer(_transfer_for(device))
+    generator = torch.Generator(device).manual_seed(0)
+    folded, expected = [], []
+    for step in range(50):
+        value = torch.randn(2**20, device=device, generator=generator)  # 4 MiB: a copy long enough to race
+        expected.append(value.clone())
+        torch.cuda._sleep(2_000_000)  # about a millisecond of GPU work queued before both
+        buffer.put(value, lambda landed: folded.append(landed.clone()))
+        if step % 2:
+            value.mul_(-2)
+        else:
+            value.zero_()
+    buffer.drain()
+    assert len(folded) == 50
+    assert all(torch.equal(got, want.cpu()) for got, want in zip(folded, expected, strict=True))

@@ -4,13 +4,13 @@ and the run stores every logged tensor on the CPU."""
 import inspect
 
 import pytest
-from _support import PlainLoggingModel, loader
+import pytorch_lightning.cli as cli_module
+from _support import CLI_AVAILABLE, CLI_REASON, PlainLoggingModel, loader
 
 from lightning_store import StoreOnCPUDeprecationWarning, Trainer
 from lightning_store._result import _StoredOnCPU
 
-pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse (pip install 'jsonargparse[signatures]')")
-cli_module = pytest.importorskip("pytorch_lightning.cli")
+pytestmark = [pytest.mark.skipif(not CLI_AVAILABLE, reason=CLI_REASON), pytest.mark.usefixtures("kept_environment")]
 
 
 class _Model(PlainLoggingModel):

@@ -4,9 +4,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torchmetrics
-from _support import LoggingModel, loader, stored_tensors
+from _metrics import LastSeenFirst
+from _support import LoggingModel, RecordingLogger, assert_same, loader, stored_tensors
 
-from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning
+from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, store_states_on_cpu
 from lightning_store._result import _StoredOnCPU
 
 pytestmark = [
@@ -142,3 +143,124 @@ def test_logging_adds_no_host_device_sync_after_the_first_step(gpu_trainer_kwarg
     trainer = pl.Trainer(**gpu_trainer_kwargs)
     trainer.fit(Model(), loader(n=40))
     assert trainer.callback_metrics["mean"].device.type == "cpu"
+
+
+# The copies of a value and the in-place changes made right after the call wait together behind this much GPU
+# work, then start at once: without an ordering between them, the change reaches the copy (issue 18).
+_BUSY_CYCLES = 2_000_000  # of `torch.cuda._sleep`: about a millisecond
+
+
+class _ChangedInPlaceModel(StoreOnCPUMixin, pl.LightningModule):
+    """Logs a fresh tensor and a module buffer every step, then changes both in place at once."""
+
+    def __init__(self, store_on_cpu):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.register_buffer("running", torch.zeros(()))
+        self.store = store_on_cpu
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.layer(x).pow(2).mean()
+        value = loss.detach() + batch_idx
+        self.running.add_(x.sum())  # the buffer changes in place on every step
+        torch.cuda._sleep(_BUSY_CYCLES)
+        # "max": the epoch value is exact on any device, so every logged value compares bit for bit
+        for name, tensor in (("value", value), ("running", self.running)):
+            self.log(name, tensor, reduce_fx="max", on_step=True, on_epoch=True, store_on_cpu=self.store)
+        value.zero_()
+        self.running.mul_(0.5)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_logged_value_changed_in_place_at_once_is_logged_as_it_was_at_the_call(gpu_trainer_kwargs):
+    seen = []
+    for store_on_cpu in (False, True):
+        torch.manual_seed(0)
+        logger = RecordingLogger()
+        trainer = pl.Trainer(**{**gpu_trainer_kwargs, "logger": logger, "log_every_n_steps": 1})
+        trainer.fit(_ChangedInPlaceModel(store_on_cpu), loader(n=400))  # 2 epochs of 100 steps
+        seen.append((logger.history, dict(trainer.callback_metrics)))
+    (plain_history, plain_callback), (history, callback) = seen
+    assert len(history) >= 200 and history == plain_history  # every step's values, as floats: bit for bit
+    assert_same(plain_callback, callback)  # both moved to the CPU by Lightning's teardown
+
+
+def test_a_list_state_element_changed_in_place_after_update_is_kept_as_it_was():
+    """``LastSeenFirst`` keeps each item itself as its list-state element, as ``CatMetric`` keeps its input.
+
+    A plain Metric on the GPU would see the change through that element; a configured one keeps the item as it was
+    at ``update``, as ``compute_on_cpu=True`` does: the oracle is the plain Metric fed a copy taken then.
+    """
+    configured = store_states_on_cpu(LastSeenFirst()).cuda()
+    plain = LastSeenFirst().cuda()
+    generator = torch.Generator("cuda").manual_seed(0)
+    for step in range(50):
+        item = torch.randn(2**20, device="cuda", generator=generator)  # 4 MiB: a copy long enough to race
+        plain.update([item.clone()])
+        torch.cuda._sleep(_BUSY_CYCLES)
+        configured.update([item])
+        if step % 2:
+            item.mul_(-2)
+        else:
+            item.zero_()
+    assert len(configured.items) == 50
+    got = configured.compute()
+    assert all(t.is_cpu for t in configured.items)
+    assert torch.equal(got, plain.compute().cpu())
+
+
+class _PlainOnTheGPU(pl.LightningModule):
+    """A module without the mixin, as a Lightning 1.x project has them, with a Metric that keeps its predictions."""
+
+    def __init__(self, count_syncs):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.auroc = torchmetrics.classification.BinaryAUROC(thresholds=None)
+        self.count_syncs = count_syncs
+        self.devices = set()
+
+    def training_step(self, batch, batch_idx):
+        scores = self.layer(batch[0]).squeeze(1)
+        loss = scores.pow(2).mean()
+        self.auroc.update(scores.sigmoid(), (batch[0][:, 0] > 0).long())  # torchmetrics' own checks sync
+        if self.count_syncs and batch_idx > 0:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            self.log("loss", loss, batch_size=4)
+            self.log("mean", loss * 2, on_step=False, on_epoch=True, batch_size=4)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for name in ("loss", "mean"):
+            self.devices.update(t.device.type for t in stored_tensors(self.trainer._results[f"training_step.{name}"]))
+        return loss
+
+    def on_train_epoch_end(self):
+        self.devices.update(t.device.type for t in self.auroc.preds)
+        self.log("auroc", self.auroc.compute())
+        self.auroc.reset()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_the_flag_keeps_a_plain_modules_state_on_the_cpu_without_a_host_sync_in_self_log(gpu_trainer_kwargs):
+    import warnings
+
+    from lightning_store import StoreOnCPUDeprecationWarning, Trainer
+
+    seen = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = _PlainOnTheGPU(count_syncs=flag)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StoreOnCPUDeprecationWarning)
+            trainer = Trainer(**gpu_trainer_kwargs, move_metrics_to_cpu=flag)
+        trainer.fit(model, loader(n=40))
+        # under the flag every logged key's state and the AUROC's predictions are on the CPU; plainly, on the GPU
+        assert model.devices == ({"cpu"} if flag else {"cuda"})
+        seen[flag] = dict(trainer.callback_metrics)
+    _assert_close(seen[False], seen[True])

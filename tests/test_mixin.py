@@ -17,6 +17,7 @@ result_module = pytest.importorskip("pytorch_lightning.trainer.connectors.logger
 
 
 def _run_everything(store_on_cpu, explicit_batch_size, trainer_kwargs):
+    torch.manual_seed(0)
     model = LoggingModel(store_on_cpu=store_on_cpu, explicit_batch_size=explicit_batch_size)
     trainer, seen = run_everything(model, trainer_kwargs)
     return trainer, model, seen

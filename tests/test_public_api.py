@@ -1,7 +1,8 @@
 import subprocess
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
+import pytest
 from _support import HANG_S
 
 import lightning_store
@@ -34,8 +35,19 @@ def test_every_public_name_has_a_docstring_with_an_example():
         assert doc and "Example:" in doc, name
 
 
+def _installed_version() -> str | None:
+    try:
+        return version("lightning-store")
+    except PackageNotFoundError:
+        return None
+
+
+@pytest.mark.skipif(
+    _installed_version() is None,
+    reason="lightning-store is not installed here (a checkout on PYTHONPATH, say): it has no installed version",
+)
 def test_the_version_is_defined_once_and_installed_as_such():
-    assert lightning_store.__version__ == version("lightning-store")
+    assert lightning_store.__version__ == _installed_version()
 
 
 def test_importing_the_package_patches_nothing():

@@ -11,11 +11,21 @@ import torch
 from _support import HANG_S
 
 import lightning_store
-from lightning_store._selfcheck import _checks, _cli, _cuda, _env, _fits, _metric, _render, _timing, _values
+from lightning_store._selfcheck import _checks, _cli, _cuda, _env, _fits, _in_place, _metric, _render, _timing, _values
 from lightning_store._selfcheck._core import Check, Context, Outcome, Skip, run_check
 
 ROOT = Path(__file__).parent.parent
-CHECK_IDS = ["values", "cpu_storage", "no_sync", "nccl_sync_dist", "step_time", "metric_states", "metric_nccl_sync"]
+CHECK_IDS = [
+    "values",
+    "cpu_storage",
+    "no_sync",
+    "nccl_sync_dist",
+    "step_time",
+    "metric_states",
+    "metric_nccl_sync",
+    "in_place",
+]
+IN_PLACE_NEEDS = "the copies to the CPU run on a side stream on CUDA only"
 NO_CUDA = "needs CUDA, and no CUDA device was found: "
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what a machine without CUDA gives")
 
@@ -120,6 +130,7 @@ def test_on_a_machine_without_cuda_the_cpu_checks_pass_and_the_cuda_checks_skip_
         assert checks["metric_nccl_sync"]["detail"] == NO_CUDA + "NCCL runs on CUDA devices only"
     else:
         assert checks["metric_states"]["status"] == checks["metric_nccl_sync"]["status"] == "SKIP"
+    assert (checks["in_place"]["status"], checks["in_place"]["detail"]) == ("SKIP", NO_CUDA + IN_PLACE_NEEDS)
 
 
 def test_the_cli_leaves_no_file_behind(cli_run):
@@ -205,6 +216,7 @@ def test_the_cuda_checks_skip_with_their_reason_when_the_fits_run_on_the_cpu(tmp
         ("no_sync", "host syncs are counted with torch.cuda.set_sync_debug_mode"),
         ("nccl_sync_dist", "NCCL runs on CUDA devices only"),
         ("metric_nccl_sync", "NCCL runs on CUDA devices only"),
+        ("in_place", IN_PLACE_NEEDS),
     ]:
         (check,) = [check for check in _checks.CHECKS if check.id == check_id]
         result = run_check(check, context)
@@ -270,14 +282,72 @@ def test_the_metric_sync_check_runs_one_process_ddp_fits_on_gloo(tmp_path):
     assert not torch.distributed.is_initialized()
 
 
+def test_the_in_place_check_runs_its_fits_and_its_metric_on_the_cpu_and_fails_where_a_change_reaches_a_value(
+    monkeypatch, tmp_path, fake_device
+):
+    """Check 7's body on the CPU: its fits, its Metric and its verdicts.
+
+    On the CPU a configured Metric keeps a CPU input itself, as a plain one does: ``fake_device`` has it copy the
+    input through the buffer, as on CUDA.
+    """
+    context = Context("cpu", tmp_path)
+    configure = getattr(lightning_store, "store_states_on_cpu", None)
+    outcome = _in_place.in_place_outcome(context, configure)
+    assert outcome.status == "PASS", outcome.detail
+    assert outcome.data["logged"]["compared"] > 50 and outcome.data["logged"]["different"] == []
+    assert "each logged right before a change in place, as plain self.log logs them" in outcome.detail
+    if configure is not None:
+        assert outcome.data["metric_updates"] == _in_place.UPDATES
+        assert outcome.data["metric_elements_different"] == 0 and outcome.data["metric_states_on_cpu"]
+    # a Metric left as it is keeps the inputs themselves: the change reaches them
+    unconfigured = _in_place.in_place_outcome(context, lambda metric: metric)
+    assert unconfigured.status == "FAIL" and "elements saw the change" in unconfigured.detail
+
+    class SkewedModel(_in_place.InPlaceModel):
+        def _log(self, name, value, **kwargs):
+            super()._log(name, value * 2 if self.store and name == "running" else value, **kwargs)
+
+    monkeypatch.setattr(_in_place, "InPlaceModel", SkewedModel)
+    skewed = _in_place.in_place_outcome(context, None)
+    assert skewed.status == "FAIL" and skewed.detail.startswith("logged values: ") and "running" in skewed.detail
+    assert skewed.data["metric_updates"] == 0
+
+
 def test_help_documents_json_and_the_exit_status(capsys):
     with pytest.raises(SystemExit) as exit_:
         _cli.main(["--help"])
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "--json PATH" in text and "'-' writes them to stdout" in text
-    assert "exit status: 0 when every check that ran passed, 1 when one failed, 2 for a usage error." in text
+    assert "exit status: 0 every check that ran passed 1 a check failed 2 a usage error," in text
     assert "The fits ignore PL_TRAINER_* defaults (the report lists them)." in text
+
+
+EXIT_STATUS_TABLE = [
+    "exit status:",
+    "  0  every check that ran passed",
+    "  1  a check failed",
+    "  2  a usage error, or --json could not be written",
+]
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_help_is_wrapped_to_the_terminal_width_never_inside_a_word_and_keeps_the_exit_status_table(
+    monkeypatch, capsys, columns
+):
+    monkeypatch.setenv("COLUMNS", str(columns))  # what argparse reads the terminal's width from
+    with pytest.raises(SystemExit):
+        _cli.main(["--help"])
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= columns, max(lines, key=len)
+    usage, description, options, epilog = text.split("\n\n")
+    assert usage.startswith("usage: python -m lightning_store ")
+    assert " ".join(description.split()) == " ".join(_cli._DESCRIPTION.split())  # no word split across lines
+    # wrapped to the width: argparse's is the terminal's less 2, and a line breaks before a word of at most 18
+    assert max(len(line) for line in description.splitlines()) > columns - 2 - 19
+    assert options.startswith("options:") and "--json PATH" in options
+    assert epilog.splitlines() == EXIT_STATUS_TABLE
 
 
 @cpu_only

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from _support import LoggingModel, assert_same, loader
+from _support import CLI_AVAILABLE, CLI_REASON, LoggingModel, assert_same, loader
 
 from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, StoreOnCPUWarning, Trainer, _result
 from lightning_store._collection import _StoringResults
@@ -125,15 +125,18 @@ def test_positional_arguments_are_taken_as_by_lightning():
 def test_environment_defaults_apply_to_lightnings_arguments_and_the_flag(monkeypatch, quiet_trainer_kwargs):
     monkeypatch.setenv("PL_TRAINER_MAX_EPOCHS", "7")
     monkeypatch.setenv("PL_TRAINER_MOVE_METRICS_TO_CPU", "True")
-    with pytest.warns(StoreOnCPUDeprecationWarning):
+    with pytest.warns(StoreOnCPUDeprecationWarning) as record:
         trainer = Trainer(**quiet_trainer_kwargs)
+    assert str(record[0].message).endswith("(set by the environment variable PL_TRAINER_MOVE_METRICS_TO_CPU)")
+    assert record[0].filename == __file__
     assert trainer.max_epochs == 7
     assert trainer.move_metrics_to_cpu is True
 
 
+@pytest.mark.skipif(not CLI_AVAILABLE, reason=CLI_REASON)
+@pytest.mark.usefixtures("kept_environment")
 def test_lightning_cli_accepts_the_flag(tmp_path):
-    pytest.importorskip("jsonargparse")
-    cli_module = pytest.importorskip("pytorch_lightning.cli")
+    import pytorch_lightning.cli as cli_module
 
     args = [
         "--trainer.move_metrics_to_cpu=true",

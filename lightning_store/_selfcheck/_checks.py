@@ -2,6 +2,7 @@
 
 from ._core import Check
 from ._cuda import check_nccl_sync_dist, check_no_sync
+from ._in_place import check_in_place
 from ._metric import check_metric_nccl_sync, check_metric_states
 from ._timing import check_step_time
 from ._values import check_storage, check_values
@@ -14,4 +15,5 @@ CHECKS: list[Check] = [
     Check("step_time", "step time (figure)", check_step_time),
     Check("metric_states", "Metric list states on the CPU", check_metric_states),
     Check("metric_nccl_sync", "Metric sync through NCCL", check_metric_nccl_sync),
+    Check("in_place", "changed in place after the call", check_in_place),
 ]

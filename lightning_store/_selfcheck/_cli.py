@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +22,33 @@ Check, on this machine, that lightning-store's store_on_cpu holds: short real Tr
 found (CUDA, else MPS, else CPU) log the same values plainly and with store_on_cpu=True, and each check prints
 PASS, FAIL or SKIP (with its reason); the step-time ratio is a figure. The fits ignore PL_TRAINER_* defaults
 (the report lists them). Nothing is downloaded or left behind."""
-_EPILOG = "exit status: 0 when every check that ran passed, 1 when one failed, 2 for a usage error."
+_EPILOG = """\
+exit status:
+  0  every check that ran passed
+  1  a check failed
+  2  a usage error, or --json could not be written"""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps the prose of the description and the epilog to the terminal's width, never inside a word.
+
+    An indented line (a row of the exit-status table) is kept as it is.
+    """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines: list[str] = []
+        prose: list[str] = []  # the lines of the paragraph read so far
+        for line in [*text.splitlines(), ""]:  # the blank line at the end ends the last paragraph
+            if line.strip() and not line[0].isspace():
+                prose.append(line)
+                continue
+            if prose:
+                words = " ".join(" ".join(prose).split())
+                wrap = textwrap.TextWrapper(width, indent, indent, break_long_words=False, break_on_hyphens=False)
+                lines += wrap.wrap(words)
+                prose = []
+            lines.append(indent + line if line.strip() else "")
+        return "\n".join(lines[:-1])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m lightning_store",
         description=_DESCRIPTION,
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument(
         "--json",
