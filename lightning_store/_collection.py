@@ -3,10 +3,9 @@
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from lightning_store._compat import _check_lightning_version
-from lightning_store._policy import _requested, _result_key
+from lightning_store._policy import _requested
 from lightning_store._result import _policy_changed, _stored_on_cpu_class, _StoredOnCPU
 
 
@@ -16,34 +15,36 @@ class _StoringResults:
     A tensor logged with ``store_on_cpu=True`` (the module's answer, in :data:`~._policy._requested`) or, where the
     module leaves it open, under ``Trainer(move_metrics_to_cpu=True)`` (``_move_metrics_to_cpu``) is kept by a
     :class:`~._result._StoredOnCPU`; every other call is Lightning's own. A ``Metric`` is always Lightning's.
+
+    The policy is applied where Lightning's ``log`` hands the value to the key's result, ``update_metrics``: by then
+    Lightning has registered the key (a new one has never been updated) and found the batch size.
     """
 
     _move_metrics_to_cpu: bool = False  # the Trainer's flag: the policy of a call the module leaves open
     _sync_device: torch.device  # where collectives run and where logged values come from
     _lightning_class: type  # set on each class `_storing_class` makes
-    dataloader_idx: int | None  # Lightning's
 
-    def log(self, fx: str, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        log = super().log  # type: ignore[misc]
-        if not isinstance(value, Tensor):  # a Metric: logged as usual (the mixin warns where it was asked)
-            return log(fx, name, value, *args, **kwargs)
+    def update_metrics(self, key: str, value: Any, batch_size: int) -> None:
         store = _requested.get()
         if store is None:
             store = self._move_metrics_to_cpu
-        key = _result_key(fx, name, kwargs.get("add_dataloader_idx", True), self.dataloader_idx)
-        stored = self.get(key)  # type: ignore[attr-defined]
-        if stored is None:
+        result = self[key]  # type: ignore[index]
+        if isinstance(result, _StoredOnCPU):
             if not store:
-                return log(fx, name, value, *args, **kwargs)
-            # Lightning registers the key and runs its first update (and sync) on the value's device: make that
-            # the collective's device, as for every later value; then the state moves to the CPU like any value
+                raise _policy_changed(result.meta.name, result.meta.fx.split(".")[0], now=False)
+        elif store and result.is_tensor:
+            if result._update_count or result.has_reset:  # logged before, as Lightning stores it
+                raise _policy_changed(result.meta.name, result.meta.fx.split(".")[0], now=True)
+            # a new key: Lightning's first update (and sync) runs on the collective's device, as for every later
+            # value; then the state moves to the CPU like any value
             device = self._sync_device
-            log(fx, name, value if value.device == device else value.to(device), *args, **kwargs)
-            self[key] = _stored_on_cpu_class(type(self[key])).adopt(self[key], device)  # type: ignore[index]
-            return None
-        if isinstance(stored, _StoredOnCPU) is not store:
-            raise _policy_changed(name, fx, now=store)
-        return log(fx, name, value, *args, **kwargs)
+            if value.device != device:
+                value = value.to(device)
+                result.to(device)  # in place, as Lightning moved it to the value's device
+            super().update_metrics(key, value, batch_size)  # type: ignore[misc]
+            self[key] = _stored_on_cpu_class(type(result)).adopt(result, device)  # type: ignore[index]
+            return
+        super().update_metrics(key, value, batch_size)  # type: ignore[misc]
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # the class is made at run time, so pickle could not find it by name: it is made again from Lightning's
@@ -87,6 +88,13 @@ def _install(results: Any, sync_device: torch.device, *, move_metrics_to_cpu: bo
     results._sync_device = sync_device
     if move_metrics_to_cpu is not None:
         results._move_metrics_to_cpu = move_metrics_to_cpu
+
+
+def _install_on(trainer: Any, *, move_metrics_to_cpu: bool | None = None) -> None:
+    """:func:`_install` on the result collection of every loop of ``trainer`` that logs."""
+    device = trainer.strategy.root_device
+    for results in _loop_results(trainer).values():
+        _install(results, device, move_metrics_to_cpu=move_metrics_to_cpu)
 
 
 def _loop_results(trainer: Any) -> dict[str, Any]:

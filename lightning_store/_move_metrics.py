@@ -7,7 +7,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torchmetrics import Metric
 
-from lightning_store._collection import _install, _loop_results
+from lightning_store._collection import _install_on
 from lightning_store._policy import _as_bool, _type_name
 from lightning_store._states import _owns_list_states
 from lightning_store.metric_states import _ACCEPTED, _configure_together, _is_gather_on_device, _stores_states_on_cpu
@@ -26,9 +26,7 @@ class _MoveMetricsToCPUHooks:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # every module's calls go through the loops' result collections: they apply the flag. The strategy's
         # device is known by now (each rank's own under DDP), and nothing has been logged yet
-        device = trainer.strategy.root_device
-        for results in _loop_results(trainer).values():
-            _install(results, device, move_metrics_to_cpu=True)
+        _install_on(trainer, move_metrics_to_cpu=True)
 
     # after `configure_model` and the strategy's move to the device; before the first batch, and any `self.log`
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

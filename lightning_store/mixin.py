@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_store._collection import _install, _StoringResults
-from lightning_store._policy import _active_results, _as_bool, _from_log_dict, _module_policy, _requested
+from lightning_store._collection import _install_on, _StoringResults
+from lightning_store._policy import _as_bool, _from_log_dict, _module_policy, _requested
 from lightning_store.warnings import _warn_once
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ class StoreOnCPUMixin(_LogBase):
             _from_log_dict.reset(token)
 
     def _prepare_to_store_on_cpu(self, name: str, value: Any, warn_for_a_metric: bool) -> None:
-        """Warn for a ``Metric``; else make the running loop's result collection apply ``store_on_cpu``.
+        """Warn for a ``Metric``; else make the Trainer's result collections apply ``store_on_cpu``.
 
         Where Lightning will refuse or skip the call (no Trainer, ``predict_step``...), nothing is prepared and the
         outcome is left to Lightning.
@@ -221,8 +221,7 @@ class StoreOnCPUMixin(_LogBase):
                 )
             return
         trainer = self._trainer
-        if trainer is None or self._fabric is not None:
-            return
-        results = _active_results(trainer)
-        if results is not None and not isinstance(results, _StoringResults):
-            _install(results, trainer.strategy.root_device)
+        # the training loop's collection stands for all: they are installed together (performance: three look-ups)
+        installed = trainer is None or isinstance(trainer.fit_loop.epoch_loop._results, _StoringResults)
+        if not installed and self._fabric is None:
+            _install_on(trainer)
