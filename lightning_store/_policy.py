@@ -50,34 +50,3 @@ def _module_policy(explicit: bool | None, module: Any) -> bool | None:
     if default is None or default is True or default is False:  # performance: no message made on every call
         return default
     return _as_bool(default, f"{type(module).__name__}.store_on_cpu_default", optional=True)
-
-
-def _result_key(fx: str, name: str, add_dataloader_idx: bool, dataloader_idx: int | None) -> str:
-    """The key under which Lightning's ``_ResultCollection.log`` stores ``name`` logged in hook ``fx``."""
-    key = f"{fx}.{name}"
-    if add_dataloader_idx and dataloader_idx is not None:
-        key += f".{dataloader_idx}"
-    return key
-
-
-def _active_results(trainer: Any) -> Any:
-    """``trainer._results``, the result collection of the loop that runs: the same answer, in a fraction of the time.
-
-    Lightning's property compares its string enums case-insensitively, several times a call (1.4 µs on Lightning
-    2.1, on every ``self.log``); here the stage and the function are compared by identity, in the same order.
-    """
-    state = trainer.state
-    stage, fn = state.stage, state.fn
-    stages, fns = type(stage), type(fn)
-    if stage is None or fn is None:
-        return trainer._results
-    if stage is stages.TRAINING:
-        return trainer.fit_loop.epoch_loop._results
-    if stage is stages.SANITY_CHECKING or stage is stages.VALIDATING or stage is stages.TESTING:
-        if fn is fns.FITTING:
-            return trainer.fit_loop.epoch_loop.val_loop._results
-        if fn is fns.VALIDATING:
-            return trainer.validate_loop._results
-        if fn is fns.TESTING:
-            return trainer.test_loop._results
-    return trainer._results  # predicting, or anything new: Lightning's own answer

@@ -2,11 +2,9 @@ import sys
 
 import numpy as np
 import pytest
-import pytorch_lightning as pl
 import torch
-from _support import LoggingModel, loader
 
-from lightning_store._policy import _active_results, _as_bool, _module_policy, _result_key
+from lightning_store._policy import _as_bool, _module_policy
 
 
 class _Module:
@@ -70,59 +68,3 @@ def test_the_module_answers_with_the_argument_then_its_default_else_leaves_it_to
     explicit, module_default, expected
 ):
     assert _module_policy(explicit, _Module(module_default)) is expected
-
-
-def test_the_key_is_lightnings():
-    assert _result_key("training_step", "loss", True, None) == "training_step.loss"
-    assert _result_key("validation_step", "acc", True, 1) == "validation_step.acc.1"
-    assert _result_key("validation_step", "acc", False, 1) == "validation_step.acc"
-
-
-class _ChecksActiveResults(pl.Callback):
-    """In every hook that may log, compares the fast look-up with Lightning's own ``trainer._results``."""
-
-    def __init__(self):
-        self.seen = []
-
-    def _check(self, trainer, hook):
-        self.seen.append((hook, trainer.state.stage.value, _active_results(trainer) is trainer._results))
-
-
-for _hook in (
-    "on_train_start",
-    "on_train_epoch_start",
-    "on_train_batch_start",
-    "on_train_batch_end",
-    "on_train_epoch_end",
-    "on_sanity_check_start",
-    "on_validation_start",
-    "on_validation_epoch_start",
-    "on_validation_batch_end",
-    "on_validation_epoch_end",
-    "on_test_epoch_start",
-    "on_test_batch_end",
-    "on_test_epoch_end",
-    "on_predict_batch_end",
-):
-    setattr(
-        _ChecksActiveResults,
-        _hook,
-        lambda self, trainer, *args, _hook=_hook, **kwargs: self._check(trainer, _hook),
-    )
-
-
-class _Predicting(LoggingModel):
-    def predict_step(self, batch, batch_idx):
-        return self.layer(batch[0])
-
-
-def test_the_active_results_are_lightnings_in_every_loop(quiet_trainer_kwargs):
-    checks = _ChecksActiveResults()
-    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1, callbacks=[checks], num_sanity_val_steps=1)
-    model = _Predicting(store_on_cpu=True)
-    trainer.fit(model, loader(), loader(seed=1))
-    trainer.validate(model, loader(seed=2), verbose=False)
-    trainer.test(model, loader(seed=3), verbose=False)
-    trainer.predict(model, loader(seed=4))
-    assert {stage for _, stage, _ in checks.seen} >= {"train", "sanity_check", "validate", "test", "predict"}
-    assert [seen for seen in checks.seen if not seen[2]] == []
