@@ -4,7 +4,7 @@ from typing import Any
 
 import torch
 
-from lightning_store._compat import _check_lightning_version
+from lightning_store._compat import _in_front_of
 from lightning_store._policy import _requested
 from lightning_store._result import _policy_changed, _stored_on_cpu_class, _StoredOnCPU
 
@@ -62,14 +62,7 @@ _classes: dict[type, type[_StoringResults]] = {}
 
 def _storing_class(collection_class: type) -> type[_StoringResults]:
     """``_StoringResults`` put in front of the ``_ResultCollection`` of the Lightning namespace in use (made once)."""
-    if collection_class not in _classes:
-        if collection_class.__module__.startswith("lightning."):
-            _check_lightning_version("lightning")
-        attributes = {"_lightning_class": collection_class}
-        _classes[collection_class] = type(
-            f"_Storing{collection_class.__name__}", (_StoringResults, collection_class), attributes
-        )
-    return _classes[collection_class]
+    return _in_front_of(_StoringResults, collection_class, _classes)
 
 
 def _install(results: Any, sync_device: torch.device, *, move_metrics_to_cpu: bool | None = None) -> None:

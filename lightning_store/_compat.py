@@ -33,3 +33,17 @@ def _check_lightning_version(distribution: str) -> None:
             f" wrong. HINT: pip install '{distribution}>={_OLDEST},<{_FIRST_UNTESTED}', or a lightning-store"
             " release that supports yours."
         )
+
+
+def _in_front_of(front: type, lightning_class: type, made: dict[type, type]) -> type:
+    """``front`` put in front of ``lightning_class``, of either Lightning namespace; made once, kept in ``made``.
+
+    The class made is named ``front`` + ``lightning_class`` (``_StoredOnCPU_ResultMetric``) and knows the class it
+    was made for as ``_lightning_class``, so that pickle can make it again in a fresh process.
+    """
+    if lightning_class not in made:
+        if lightning_class.__module__.startswith("lightning."):
+            _check_lightning_version("lightning")
+        name = f"{front.__name__}{lightning_class.__name__}"
+        made[lightning_class] = type(name, (front, lightning_class), {"_lightning_class": lightning_class})
+    return made[lightning_class]

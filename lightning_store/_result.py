@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from lightning_store._buffer import _CopyBuffer, _transfer_for
-from lightning_store._compat import _check_lightning_version
+from lightning_store._compat import _in_front_of
 from lightning_store.warnings import StorePolicyError
 
 _CPU = torch.device("cpu")
@@ -206,13 +206,7 @@ _classes: dict[type, type[_StoredOnCPU]] = {}
 
 def _stored_on_cpu_class(result_metric_class: type) -> type[_StoredOnCPU]:
     """``_StoredOnCPU`` combined with the ``_ResultMetric`` class of the Lightning namespace in use (made once)."""
-    if result_metric_class not in _classes:
-        if result_metric_class.__module__.startswith("lightning."):
-            _check_lightning_version("lightning")
-        name = f"_StoredOnCPU{result_metric_class.__name__}"
-        attributes = {"_lightning_class": result_metric_class}
-        _classes[result_metric_class] = type(name, (_StoredOnCPU, result_metric_class), attributes)
-    return _classes[result_metric_class]
+    return _in_front_of(_StoredOnCPU, result_metric_class, _classes)
 
 
 def _syncs(sync: Any) -> bool:
