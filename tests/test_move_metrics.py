@@ -26,7 +26,7 @@ from pytorch_lightning.utilities.model_summary import ModelSummary
 from torchmetrics import CatMetric, MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision
 from torchmetrics.regression import SpearmanCorrCoef
-from torchmetrics.utilities import dim_zero_cat
+from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric
 
 from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUWarning, Trainer, _collection, _result
