@@ -16,7 +16,7 @@ class _Source:
     """What set the flag, in words, and the file and line a warning about it points at."""
 
     what: str
-    filename: str | None
+    filename: str
     lineno: int
 
 
@@ -31,10 +31,10 @@ def _cli_source() -> _Source | None:
     if frame is None:
         return None
     cli = frame.f_locals["self"]
-    caller = frame.f_back
-    while caller is not None and caller.f_locals.get("self") is cli:  # a subclass's `__init__`
+    caller = frame
+    while caller.f_back is not None and caller.f_locals.get("self") is cli:  # a subclass's `__init__` too
         caller = caller.f_back
-    filename, lineno = (caller.f_code.co_filename, caller.f_lineno) if caller is not None else (None, 0)
+    filename, lineno = caller.f_code.co_filename, caller.f_lineno
     args = frame.f_locals.get("args")
     argument = _argument(sys.argv[1:] if args is None else args)
     if argument is not None:

@@ -4,7 +4,7 @@ from typing import Any
 
 import torch
 
-from lightning_store._compat import _in_front_of
+from lightning_store._compat import _in_front_of, _remade
 from lightning_store._policy import _requested
 from lightning_store._result import _policy_changed, _stored_on_cpu_class, _StoredOnCPU
 
@@ -48,21 +48,12 @@ class _StoringResults:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # the class is made at run time, so pickle could not find it by name: it is made again from Lightning's
-        return _unpickle, (self._lightning_class,), dict(vars(self)), None, iter(self.items())  # type: ignore[attr-defined]
-
-
-def _unpickle(lightning_class: type) -> _StoringResults:
-    """An empty collection of the class that stores for ``lightning_class``, for pickle to fill."""
-    storing_class = _storing_class(lightning_class)
-    return storing_class.__new__(storing_class)
-
-
-_classes: dict[type, type[_StoringResults]] = {}
+        return _remade, (_StoringResults, self._lightning_class), dict(vars(self)), None, iter(self.items())  # type: ignore[attr-defined]
 
 
 def _storing_class(collection_class: type) -> type[_StoringResults]:
     """``_StoringResults`` put in front of the ``_ResultCollection`` of the Lightning namespace in use (made once)."""
-    return _in_front_of(_StoringResults, collection_class, _classes)
+    return _in_front_of(_StoringResults, collection_class)
 
 
 def _install(results: Any, sync_device: torch.device, *, move_metrics_to_cpu: bool | None = None) -> None:

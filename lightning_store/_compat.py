@@ -1,6 +1,7 @@
 """The Lightning releases lightning-store is tested with, and a clear error for any other."""
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from packaging.version import Version
 
@@ -35,15 +36,24 @@ def _check_lightning_version(distribution: str) -> None:
         )
 
 
-def _in_front_of(front: type, lightning_class: type, made: dict[type, type]) -> type:
-    """``front`` put in front of ``lightning_class``, of either Lightning namespace; made once, kept in ``made``.
+_made: dict[tuple[type, type], type] = {}  # (front, Lightning's class) -> the class made
+
+
+def _in_front_of(front: type, lightning_class: type) -> type:
+    """``front`` put in front of ``lightning_class``, of either Lightning namespace; made once per process.
 
     The class made is named ``front`` + ``lightning_class`` (``_StoredOnCPU_ResultMetric``) and knows the class it
-    was made for as ``_lightning_class``, so that pickle can make it again in a fresh process.
+    was made for as ``_lightning_class``; pickle finds it by neither name, so it pickles through :func:`_remade`.
     """
-    if lightning_class not in made:
+    if (front, lightning_class) not in _made:
         if lightning_class.__module__.startswith("lightning."):
             _check_lightning_version("lightning")
         name = f"{front.__name__}{lightning_class.__name__}"
-        made[lightning_class] = type(name, (front, lightning_class), {"_lightning_class": lightning_class})
-    return made[lightning_class]
+        _made[front, lightning_class] = type(name, (front, lightning_class), {"_lightning_class": lightning_class})
+    return _made[front, lightning_class]
+
+
+def _remade(front: type, lightning_class: type) -> Any:
+    """An empty object of the class :func:`_in_front_of` makes, made again if need be, for pickle to fill."""
+    made: Any = _in_front_of(front, lightning_class)
+    return made.__new__(made)

@@ -11,7 +11,7 @@ from lightning_store._collection import _install_on
 from lightning_store._policy import _as_bool, _type_name
 from lightning_store._states import _owns_list_states
 from lightning_store.metric_states import _ACCEPTED, _configure_together, _is_gather_on_device, _stores_states_on_cpu
-from lightning_store.warnings import _warn_once_at
+from lightning_store.warnings import _warn_once, _warn_once_at
 
 OPT_OUT = "move_metrics_to_cpu"  # `metric.move_metrics_to_cpu = False` leaves a Metric (or a collection) alone
 
@@ -86,31 +86,35 @@ def _opts_out(held: Module, path: str) -> bool:
 
 def _warn_own_class(metric: Metric, path: str) -> None:
     name = type(metric).__name__
-    _warn_once_at(
+    message = (
         f"`Trainer(move_metrics_to_cpu=True)` leaves the list states of `self.{path}` ({name}) on its device:"
         f" {name} is not a torchmetrics class, and only its author knows whether its `update` reads its list"
         " states, which would then be on the CPU. HINT: if its `update` only appends to them, configure it in"
         f" your LightningModule's `__init__`: `lightning_store.store_states_on_cpu(self.{path})`; to keep it on"
-        f" its device and silence this warning, set `self.{path}.{OPT_OUT} = False` there.",
-        *_where_defined(type(metric)),
+        f" its device and silence this warning, set `self.{path}.{OPT_OUT} = False` there."
     )
+    where = _where_defined(type(metric))
+    if where is None:  # a class made at run time, say
+        _warn_once(message, stacklevel=4)
+    else:
+        _warn_once_at(message, *where)
 
 
 def _warn_dist_sync_fn(metric: Metric, path: str) -> None:
-    _warn_once_at(
+    _warn_once(
         f"`Trainer(move_metrics_to_cpu=True)` leaves the list states of `self.{path}` ({type(metric).__name__}) on"
         f" its device: its dist_sync_fn={metric.dist_sync_fn!r} may not sync CPU states on the collective's device"
         " (NCCL refuses CPU tensors), as lightning_store.gather_on_device does. HINT: drop its dist_sync_fn to"
         f" have its list states kept on the CPU; to keep it as it is and silence this warning, set"
         f" `self.{path}.{OPT_OUT} = False`.",
-        None,
-        0,
+        stacklevel=4,  # Lightning's hook call: the Metric's own class is torchmetrics', no line of the user's
     )
 
 
-def _where_defined(cls: type) -> tuple[str | None, int]:
-    """The file and line of ``cls``'s definition, for a warning about it; ``(None, 0)`` where not to be found."""
+def _where_defined(cls: type) -> tuple[str, int] | None:
+    """The file and line of ``cls``'s definition, for a warning about it; ``None`` where not to be found."""
     try:
-        return inspect.getsourcefile(cls), inspect.getsourcelines(cls)[1]
+        filename, lineno = inspect.getsourcefile(cls), inspect.getsourcelines(cls)[1]
     except (OSError, TypeError):
-        return None, 0
+        return None
+    return (filename, lineno) if filename else None

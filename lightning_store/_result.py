@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from lightning_store._buffer import _CopyBuffer, _transfer_for
-from lightning_store._compat import _in_front_of
+from lightning_store._compat import _in_front_of, _remade
 from lightning_store.warnings import StorePolicyError
 
 _CPU = torch.device("cpu")
@@ -190,23 +190,14 @@ class _StoredOnCPU:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # the class is made at run time, so pickle could not find it by name: it is made again from Lightning's
-        return _unpickle, (self._lightning_class,), self.__getstate__()
+        return _remade, (_StoredOnCPU, self._lightning_class), self.__getstate__()
 
     _lightning_class: type  # set on each class `_stored_on_cpu_class` makes
 
 
-def _unpickle(lightning_class: type) -> _StoredOnCPU:
-    """An empty result of the class that stores ``lightning_class`` on the CPU, for pickle to set the state of."""
-    stored_class = _stored_on_cpu_class(lightning_class)
-    return stored_class.__new__(stored_class)
-
-
-_classes: dict[type, type[_StoredOnCPU]] = {}
-
-
 def _stored_on_cpu_class(result_metric_class: type) -> type[_StoredOnCPU]:
     """``_StoredOnCPU`` combined with the ``_ResultMetric`` class of the Lightning namespace in use (made once)."""
-    return _in_front_of(_StoredOnCPU, result_metric_class, _classes)
+    return _in_front_of(_StoredOnCPU, result_metric_class)
 
 
 def _syncs(sync: Any) -> bool:

@@ -66,18 +66,11 @@ def _deprecate_once(message: str, stacklevel: int = 2) -> None:
     _cache.deprecation(message, stacklevel=stacklevel + 5, category=StoreOnCPUDeprecationWarning)
 
 
-def _warn_once_at(message: str, filename: str | None, lineno: int, category: type[Warning] = StoreOnCPUWarning) -> None:
+def _warn_once_at(message: str, filename: str, lineno: int, category: type[Warning] = StoreOnCPUWarning) -> None:
     """As :func:`_warn_once` (or :func:`_deprecate_once`, by ``category``), reported at ``filename:lineno``.
 
-    For a warning whose cause is no line of the stack: a config file's key, the class of a Metric. Without a
-    ``filename``, it points at the caller of this function's caller.
+    For a warning whose cause is no line of the stack: a config file's key, the class of a Metric.
     """
-    if filename is None:
-        if category is StoreOnCPUDeprecationWarning:
-            _deprecate_once(message, stacklevel=4)
-        else:
-            _warn_once(message, stacklevel=4)
-        return
     if message not in _cache:
         _cache.add(message)
         _warn_explicit(message, category, filename, lineno)

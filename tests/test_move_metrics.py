@@ -29,7 +29,7 @@ from torchmetrics.regression import SpearmanCorrCoef
 from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric
 
-from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUWarning, Trainer, _collection, _result
+from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUWarning, Trainer, _collection, _compat
 from lightning_store._collection import _StoringResults
 from lightning_store._result import _StoredOnCPU
 from lightning_store.metric_states import _stores_states_on_cpu
@@ -155,8 +155,7 @@ def test_without_the_flag_nothing_is_installed(quiet_trainer_kwargs):
 def test_a_fitted_trainer_pickles_and_stores_on_after_loading(quiet_trainer_kwargs, monkeypatch):
     trainer = _flag_trainer(**quiet_trainer_kwargs, max_epochs=1)
     trainer.fit(PlainLoggingModel(), loader())
-    monkeypatch.setattr(_result, "_classes", {})  # as in a fresh process: the classes are made again on load
-    monkeypatch.setattr(_collection, "_classes", {})
+    monkeypatch.setattr(_compat, "_made", {})  # as in a fresh process: the classes are made again on load
     loaded = pickle.loads(pickle.dumps(trainer))
     assert_same(dict(trainer.callback_metrics), dict(loaded.callback_metrics))
     results, reloaded = trainer.fit_loop.epoch_loop._results, loaded.fit_loop.epoch_loop._results

@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 import torch
 from _support import CLI_AVAILABLE, CLI_REASON, LoggingModel, assert_same, loader
 
-from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, StoreOnCPUWarning, Trainer, _result
+from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, StoreOnCPUWarning, Trainer, _compat
 from lightning_store._collection import _StoringResults
 from lightning_store._result import _StoredOnCPU
 
@@ -209,7 +209,7 @@ def test_the_flag_applies_to_a_compiled_module(quiet_trainer_kwargs, recwarn):
 def test_a_fitted_trainer_pickles_with_its_values(store_on_cpu, quiet_trainer_kwargs, monkeypatch):
     trainer = _fit(quiet_trainer_kwargs, LoggingModel(store_on_cpu=store_on_cpu))
     results = trainer.fit_loop.epoch_loop._results
-    monkeypatch.setattr(_result, "_classes", {})  # as in a fresh process: the class is made again on load
+    monkeypatch.setattr(_compat, "_made", {})  # as in a fresh process: the class is made again on load
     loaded = pickle.loads(pickle.dumps(trainer))
     assert_same(dict(trainer.callback_metrics), dict(loaded.callback_metrics))
     reloaded = loaded.fit_loop.epoch_loop._results
