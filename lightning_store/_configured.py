@@ -83,40 +83,8 @@ class _StatesOnCPU(Metric):
         )
 
     def _sync_dist(self, dist_sync_fn: Callable = gather_on_device, process_group: Any | None = None) -> None:
-        # A list state reduced by `dim_zero_cat` is joined into one tensor, as torchmetrics does; a list state of
-        # no reduction (or the user's) keeps one element per item, which torchmetrics gathers element by element
-        # (so processes with different numbers of elements cannot sync). Those lists are gathered here, in a
-        # bounded number of collectives, and their elements ordered as torchmetrics orders them: the first element
-        # of every process in rank order, then the second... (a process with fewer elements adds none past its
-        # last). Their place in `super()._sync_dist` is an empty list, which it leaves as it is.
         device = self.device if self._cpu_states.paused else _CPU
-        dtype = getattr(self, "_dtype", None) or torch.get_default_dtype()  # `Metric.dtype` is torchmetrics >= 1.1
-        by_element, empty = {}, []
-        for attr in _list_states(self):
-            state = getattr(self, attr)
-            if not isinstance(state, list):
-                continue
-            if self._reductions[attr] is dim_zero_cat:
-                if not state:  # a process with none joins with an empty tensor: the collectives match
-                    empty.append(attr)
-                    setattr(self, attr, [torch.empty(0, dtype=dtype, device=device)])
-                elif len(state) > 1:
-                    setattr(self, attr, [dim_zero_cat(state)])
-            elif all(isinstance(element, Tensor) for element in state):  # others (tuples...) are the Metric's own
-                by_element[attr] = state
-                setattr(self, attr, [])
-        super()._sync_dist(dist_sync_fn, process_group=process_group)
-        if not getattr(self, "_TORCH_GREATER_EQUAL_2_1", False):  # torchmetrics 1.0 leaves a list empty everywhere
-            for attr in empty:
-                if getattr(self, attr).numel() == 0:
-                    setattr(self, attr, [])
-        group = process_group or self.process_group or torch.distributed.group.WORLD
-        chunk_bytes = getattr(self.dist_sync_fn, "keywords", {}).get("chunk_bytes", DEFAULT_CHUNK_BYTES)
-        for attr, state in by_element.items():
-            gathered = _gather_elements(state, group, chunk_bytes)
-            ordered = [each[i] for i in range(max(map(len, gathered))) for each in gathered if i < len(each)]
-            reduction = cast(Callable | None, self._reductions[attr])  # `add_state` made a name a function
-            setattr(self, attr, reduction(ordered) if reduction is not None and ordered else ordered)
+        _sync_lists_on_device(self, super()._sync_dist, dist_sync_fn, process_group, device)
 
     @property
     def metric_state(self) -> dict[str, list[Tensor] | Tensor]:
@@ -159,6 +127,47 @@ class _StatesOnCPU(Metric):
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # the class is made at run time: pickle rebuilds it from the Metric's own class, which it finds by name
         return _rebuild, (_bases[type(self)],), self.__getstate__()
+
+
+def _sync_lists_on_device(
+    metric: Metric, sync_dist: Callable, dist_sync_fn: Callable, process_group: Any | None, device: torch.device
+) -> None:
+    """``Metric._sync_dist`` (``sync_dist``) for a Metric whose list states live on ``device`` (the CPU, say).
+
+    A list state reduced by ``dim_zero_cat`` is joined into one tensor, as torchmetrics does; a list state of no
+    reduction (or the user's) keeps one element per item, which torchmetrics gathers element by element (so
+    processes with different numbers of elements cannot sync). Those lists are gathered here, in a bounded number
+    of collectives, and their elements ordered as torchmetrics orders them: the first element of every process in
+    rank order, then the second... (a process with fewer elements adds none past its last). Their place in
+    ``sync_dist`` is an empty list, which it leaves as it is.
+    """
+    dtype = getattr(metric, "_dtype", None) or torch.get_default_dtype()  # `Metric.dtype` is torchmetrics >= 1.1
+    by_element, empty = {}, []
+    for attr in _list_states(metric):
+        state = getattr(metric, attr)
+        if not isinstance(state, list):
+            continue
+        if metric._reductions[attr] is dim_zero_cat:
+            if not state:  # a process with none joins with an empty tensor: the collectives match
+                empty.append(attr)
+                setattr(metric, attr, [torch.empty(0, dtype=dtype, device=device)])
+            elif len(state) > 1:
+                setattr(metric, attr, [dim_zero_cat(state)])
+        elif all(isinstance(element, Tensor) for element in state):  # others (tuples...) are the Metric's own
+            by_element[attr] = state
+            setattr(metric, attr, [])
+    sync_dist(dist_sync_fn, process_group=process_group)
+    if not getattr(metric, "_TORCH_GREATER_EQUAL_2_1", False):  # torchmetrics 1.0 leaves a list empty everywhere
+        for attr in empty:
+            if getattr(metric, attr).numel() == 0:
+                setattr(metric, attr, [])
+    group = process_group or metric.process_group or torch.distributed.group.WORLD
+    chunk_bytes = getattr(metric.dist_sync_fn, "keywords", {}).get("chunk_bytes", DEFAULT_CHUNK_BYTES)
+    for attr, state in by_element.items():
+        gathered = _gather_elements(state, group, chunk_bytes)
+        ordered = [each[i] for i in range(max(map(len, gathered))) for each in gathered if i < len(each)]
+        reduction = cast(Callable | None, metric._reductions[attr])  # `add_state` made a name a function
+        setattr(metric, attr, reduction(ordered) if reduction is not None and ordered else ordered)
 
 
 def _elements(metric: Metric) -> list[Tensor]:

@@ -1,5 +1,6 @@
 """All-gather on the collective's device, in chunks of bounded size, for tensors of uneven sizes across ranks."""
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,11 @@ _DTYPES = tuple(
 _DTYPE_INDEX = {dtype: index for index, dtype in enumerate(_DTYPES)}
 _MAX_DIMS = 8
 _NO_DATA = -1  # in place of `ndim`: the rank holds no element
+
+
+def _is_gather_on_device(fn: Any) -> bool:
+    """Whether ``fn`` is :func:`gather_on_device`, or a ``functools.partial`` of it (with ``chunk_bytes``)."""
+    return fn is gather_on_device or (isinstance(fn, functools.partial) and fn.func is gather_on_device)
 
 
 def _check_chunk_bytes(chunk_bytes: Any) -> None:

@@ -11,6 +11,7 @@ from lightning_store._collection import _install_on
 from lightning_store._policy import _as_bool, _type_name
 from lightning_store._states import _owns_list_states
 from lightning_store.metric_states import _ACCEPTED, _configure_together, _is_gather_on_device, _stores_states_on_cpu
+from lightning_store.metrics._offloaded import _is_offloaded
 from lightning_store.warnings import _warn_once, _warn_once_at
 
 OPT_OUT = "move_metrics_to_cpu"  # `metric.move_metrics_to_cpu = False` leaves a Metric (or a collection) alone
@@ -42,9 +43,9 @@ class _MoveMetricsToCPUHooks:
 def _store_states_of_torchmetrics(module: Module) -> None:
     """``store_states_on_cpu`` for every torchmetrics Metric in ``module`` with list states, said once in the log.
 
-    Left alone: Metrics configured already, Metrics under an object whose ``move_metrics_to_cpu`` is ``False``,
-    Metrics whose ``dist_sync_fn`` is not ``gather_on_device``, and Metrics of classes from outside torchmetrics
-    (nothing can know whether their ``update`` reads their list states), which each get a warning.
+    Left alone: Metrics configured already (or offloaded), Metrics under an object whose ``move_metrics_to_cpu`` is
+    ``False``, Metrics whose ``dist_sync_fn`` is not ``gather_on_device``, and Metrics of classes from outside
+    torchmetrics (nothing can know whether their ``update`` reads their list states), which each get a warning.
     """
     left_alone: set[int] = set()
     for path, held in module.named_modules():
@@ -53,6 +54,8 @@ def _store_states_of_torchmetrics(module: Module) -> None:
     chosen: dict[str, Metric] = {}
     for path, metric in module.named_modules():
         if not isinstance(metric, Metric) or id(metric) in left_alone or _stores_states_on_cpu(metric):
+            continue
+        if _is_offloaded(metric):  # every state on the CPU already
             continue
         if not _owns_list_states(metric):
             continue

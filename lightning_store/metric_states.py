@@ -8,19 +8,16 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.wrappers import MetricTracker
 
 from lightning_store._configured import _class_for, _collecting, _settling, _StatesOnCPU
-from lightning_store._gather import DEFAULT_CHUNK_BYTES, _check_chunk_bytes, gather_on_device
+from lightning_store._gather import DEFAULT_CHUNK_BYTES, _check_chunk_bytes, _is_gather_on_device, gather_on_device
 from lightning_store._policy import _type_name
 from lightning_store._states import _collect, _CPUStates, _owns_list_states, _settle
+from lightning_store.metrics._offloaded import _is_offloaded
 from lightning_store.warnings import _warn_once
 
 __all__ = ["gather_on_device", "store_states_on_cpu"]
 
 _Configurable = TypeVar("_Configurable", Metric, MetricCollection, MetricTracker)
 _ACCEPTED = (Metric, MetricCollection, MetricTracker)
-
-
-def _is_gather_on_device(fn: Any) -> bool:
-    return fn is gather_on_device or (isinstance(fn, functools.partial) and fn.func is gather_on_device)
 
 
 def _check(metric: Any) -> None:
@@ -40,8 +37,11 @@ def _check(metric: Any) -> None:
 
 
 def _holders(root: Module) -> list[Metric]:
-    """The Metrics in ``root`` (itself, or in a collection or wrapper, at any depth) with list states of their own."""
-    return [m for m in root.modules() if isinstance(m, Metric) and _owns_list_states(m)]
+    """The Metrics in ``root`` (itself, or in a collection or wrapper, at any depth) with list states of their own.
+
+    An offloaded Metric is none: ``offload_to_cpu`` keeps every state on the CPU already.
+    """
+    return [m for m in root.modules() if isinstance(m, Metric) and _owns_list_states(m) and not _is_offloaded(m)]
 
 
 def _check_dist_sync_fn(metric: Metric) -> None:
@@ -101,7 +101,8 @@ def store_states_on_cpu(metric: _Configurable, *, chunk_bytes: int = DEFAULT_CHU
     ``metric`` that holds list states of its own is configured, together; the others are left as they are. Each
     is configured in place: its class becomes a subclass of its own class, which pickles, deep-copies, unpickles
     in a fresh process, merges and scripts (TorchScript) like the Metric itself. Calling this again only sets
-    ``chunk_bytes``.
+    ``chunk_bytes``. A Metric given to :func:`~lightning_store.offload_to_cpu` is left as it is: all of its states
+    live on the CPU already.
 
     Args:
         metric: a ``torchmetrics.Metric`` (a wrapper too), a ``MetricCollection`` (with compute groups, their
@@ -129,6 +130,8 @@ def store_states_on_cpu(metric: _Configurable, *, chunk_bytes: int = DEFAULT_CHU
     _check_chunk_bytes(chunk_bytes)
     _check(metric)
     holders = _holders(metric)
+    if not holders and any(map(_is_offloaded, metric.modules())):  # offloaded: its states are on the CPU already
+        return metric
     if not holders:
         _warn_once(
             f"store_states_on_cpu() got a {type(metric).__name__}, which has no list state: there is nothing to"

@@ -213,10 +213,11 @@ class StoreOnCPUMixin(_LogBase):
                     f"`self.{call}, store_on_cpu=True)`: a `torchmetrics.Metric`"
                     " keeps its state on its own device, so it is logged as usual and not moved. Moving it would"
                     " break its next `update` (its inputs are on the device) and its sync across processes (NCCL"
-                    " refuses CPU tensors). HINT: to keep the predictions and targets it gathers over an epoch on"
-                    " the CPU, configure the Metric once with `lightning_store.store_states_on_cpu(metric)` and log"
-                    f" it without `store_on_cpu`; or log the tensor it computes: `self.log({name!r},"
-                    " metric.compute(), store_on_cpu=True)`.",
+                    " refuses CPU tensors). HINT: configure the Metric once and log it without `store_on_cpu`:"
+                    " `lightning_store.store_states_on_cpu(metric)` keeps the predictions and targets it gathers"
+                    " over an epoch on the CPU; `lightning_store.offload_to_cpu(metric)` keeps all of its states on"
+                    " the CPU and runs its updates off the training step. Or log the tensor it computes:"
+                    f" `self.log({name!r}, metric.compute(), store_on_cpu=True)`.",
                     stacklevel=6 if via_log_dict else 4,
                 )
             return

@@ -11,6 +11,7 @@ from torchmetrics import Metric
 from lightning_store._collection import _loop_results
 from lightning_store._result import _StoredOnCPU, _syncs
 from lightning_store.metric_states import _settle_states, _stores_states_on_cpu
+from lightning_store.metrics._offloaded import _queue_of
 
 __all__ = ["KeyStorage", "format_storage_report", "storage_report"]
 
@@ -26,11 +27,17 @@ class KeyStorage:
         dataloader_idx: the dataloader it was logged for, if there are several.
         kind: ``"tensor"`` (tensors and numbers) or the class name of a logged ``Metric``.
         store_on_cpu: whether the key is stored on the CPU by ``store_on_cpu``, or, for a ``Metric``, whether its
-            list states (or those of the Metrics it wraps) are, by :func:`~lightning_store.store_states_on_cpu`.
+            list states (or those of the Metrics it wraps) are, by :func:`~lightning_store.store_states_on_cpu` or
+            :func:`~lightning_store.offload_to_cpu`.
         device: where its tensors are now (``"cpu"``, ``"cuda:0"``...); ``"-"`` before any is kept.
         bytes: the bytes its tensors hold there.
         reduce_fx: the reduction over steps (``"mean"``, ``"sum"``...), or ``"compute"`` for a ``Metric``.
         sync_dist: whether it is reduced across processes.
+        offloaded: for a ``Metric``, whether it (or a collection holding it) was given to
+            :func:`~lightning_store.offload_to_cpu`, which keeps all of its states on the CPU.
+        pending_updates: for an offloaded ``Metric``, its updates queued and not yet run, when the row was made.
+        waited_s: for an offloaded ``Metric``, the seconds its ``update`` calls have waited, in all, for the queue
+            to have room (``max_pending``).
 
     Example:
         >>> KeyStorage("train", "training_step", "loss", None, "tensor", True, "cpu", 16, "mean", False).device
@@ -48,6 +55,9 @@ class KeyStorage:
     bytes: int
     reduce_fx: str
     sync_dist: bool
+    offloaded: bool = False
+    pending_updates: int = 0
+    waited_s: float = 0.0
 
 
 def storage_report(trainer: Any) -> list[KeyStorage]:
@@ -72,7 +82,7 @@ def storage_report(trainer: Any) -> list[KeyStorage]:
 
 
 def format_storage_report(rows: Iterable[KeyStorage]) -> str:
-    """A plain-text table of ``rows``, one line per key, for a terminal or a bug report.
+    r"""A plain-text table of ``rows``, one line per key, for a terminal or a bug report.
 
     Args:
         rows: what :func:`storage_report` returned.
@@ -81,15 +91,24 @@ def format_storage_report(rows: Iterable[KeyStorage]) -> str:
         The table, with a header line.
 
     Example:
-        >>> print(format_storage_report([]))
-        loop  hook  name  dataloader_idx  kind  store_on_cpu  device  bytes  reduce_fx  sync_dist
+        >>> print(*format_storage_report([]).split(), sep="\n")  # doctest: +ELLIPSIS
+        loop
+        hook
+        ...
+        waited_s
 
     """
     header = [field.name for field in fields(KeyStorage)]
-    lines = [header] + [["-" if v is None else str(v) for v in asdict(row).values()] for row in rows]
+    lines = [header] + [[_cell(v) for v in asdict(row).values()] for row in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     rendered = ("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in lines)
     return "\n".join(line.rstrip() for line in rendered)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _loops(trainer: Any) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -100,6 +119,8 @@ def _loops(trainer: Any) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def _row(loop: str, result: Any) -> KeyStorage:
     meta = result.meta
+    queue = None if result.is_tensor else _queue_of(result.value)
+    pending = 0 if queue is None else queue.pending  # before the states are read, which waits for the queue
     tensors = list(_held_tensors(result))
     devices = sorted({str(t.device) for t in tensors})
     return KeyStorage(
@@ -108,11 +129,15 @@ def _row(loop: str, result: Any) -> KeyStorage:
         name=meta.name,
         dataloader_idx=meta.dataloader_idx,
         kind="tensor" if result.is_tensor else type(result.value).__name__,
-        store_on_cpu=isinstance(result, _StoredOnCPU) or (not result.is_tensor and _keeps_states_on_cpu(result.value)),
+        store_on_cpu=isinstance(result, _StoredOnCPU)
+        or (not result.is_tensor and (queue is not None or _keeps_states_on_cpu(result.value))),
         device=",".join(devices) or "-",
         bytes=sum(t.numel() * t.element_size() for t in tensors),
         reduce_fx=meta.reduce_fx.__name__ if result.is_tensor else "compute",
         sync_dist=_syncs(meta.sync) if result.is_tensor else _metric_syncs(result.value),
+        offloaded=queue is not None,
+        pending_updates=pending,
+        waited_s=0.0 if queue is None else queue.waited_s,
     )
 
 

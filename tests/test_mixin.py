@@ -224,8 +224,10 @@ def test_metric_with_store_on_cpu_warns_and_is_logged_as_usual(quiet_trainer_kwa
         "a `torchmetrics.Metric` keeps its state on its own device, so it is logged as usual and not moved"
         in (messages[0])
     )
-    assert "configure the Metric once with `lightning_store.store_states_on_cpu(metric)`" in messages[0]
-    assert "or log the tensor it computes" in messages[0]
+    assert "configure the Metric once and log it without `store_on_cpu`" in messages[0]
+    assert "`lightning_store.store_states_on_cpu(metric)` keeps the predictions and targets" in messages[0]
+    assert "`lightning_store.offload_to_cpu(metric)` keeps all of its states on the CPU" in messages[0]
+    assert "Or log the tensor it computes" in messages[0]
     result = trainer.fit_loop.epoch_loop._results["training_step.metric"]
     assert not isinstance(result, _StoredOnCPU) and result.value is model.metric
     plain = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)

@@ -67,6 +67,9 @@ def test_the_table_has_a_header_and_a_line_per_row():
     rows = [
         KeyStorage("train", "training_step", "loss", None, "tensor", True, "cpu", 20, "mean", False),
         KeyStorage("validate", "validation_step", "acc", 1, "Accuracy", False, "cuda:0", 8, "compute", True),
+        KeyStorage(
+            *("train", "training_step", "auroc", None, "BinaryAUROC", True, "cpu", 8, "compute", False, True, 3, 0.25)
+        ),
     ]
     lines = format_storage_report(rows).splitlines()
     assert lines[0].split() == [
@@ -80,11 +83,17 @@ def test_the_table_has_a_header_and_a_line_per_row():
         "bytes",
         "reduce_fx",
         "sync_dist",
+        "offloaded",
+        "pending_updates",
+        "waited_s",
     ]
-    assert lines[1].split() == ["train", "training_step", "loss", "-", "tensor", "True", "cpu", "20", "mean", "False"]
+    assert lines[1].split() == [
+        *("train", "training_step", "loss", "-", "tensor", "True", "cpu", "20", "mean", "False", "False", "0", "0.000")
+    ]
+    assert lines[3].split()[-3:] == ["True", "3", "0.250"]
     assert lines[2].split()[6] == "cuda:0"
     assert len({line.index("store_on_cpu") for line in lines[:1]}) == 1
-    assert all(len(line.split()) == 10 for line in lines)
+    assert all(len(line.split()) == 13 for line in lines)
 
 
 class _WrappedMetricModel(pl.LightningModule):

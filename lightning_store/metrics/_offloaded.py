@@ -1,0 +1,225 @@
+"""The classes put in front of an offloaded Metric's own (and a collection's): the same Metric, run on the CPU."""
+
+import functools
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torchmetrics import Metric
+
+from lightning_store._configured import _sync_lists_on_device
+from lightning_store._gather import gather_on_device
+from lightning_store.metrics._inputs import _land, _on_cpu_now, _start_copies
+from lightning_store.metrics._queue import _UpdateQueue
+from lightning_store.metrics._random import _refuse_random_numbers
+from lightning_store.metrics._worker import _Inline, _runs_inline
+
+_CPU = torch.device("cpu")
+# what a Metric's `update` writes besides its states (torchmetrics' wrapper), and a collection's `update`
+_METRIC_BOOKKEEPING = frozenset({"_update_count", "_computed"})
+_COLLECTION_BOOKKEEPING = frozenset({"_groups", "_groups_checked", "_state_is_copy"})
+
+
+def _queue_of(obj: Module) -> _UpdateQueue | None:
+    return object.__getattribute__(obj, "__dict__").get("_offload")
+
+
+def _settle(obj: Module) -> None:
+    """Wait for the updates queued on ``obj`` (and raise the error one raised), unless this thread runs them."""
+    queue = _queue_of(obj)
+    if queue is not None and (queue.pending or queue.failure is not None) and not _runs_inline():
+        queue.settle()
+
+
+def _queue_update(obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
+    """Start copying the inputs to the CPU and queue ``update`` on them, for the worker (the caller never waits)."""
+    queue = cast(_UpdateQueue, _queue_of(obj))
+    if not queue.probed:
+        _refuse_random_numbers(obj, args, kwargs)
+        queue.probed = True
+    started = _start_copies(args, kwargs)
+    queue.submit(functools.partial(_run_landed, update, started))
+
+
+def _run_landed(update: Callable, started: tuple[tuple, dict]) -> None:
+    args, kwargs = _land(started)
+    update(*args, **kwargs)
+
+
+def _offloading(metric: Metric, update: Callable) -> Callable:
+    @functools.wraps(update)
+    def queue_update(*args: Any, **kwargs: Any) -> None:
+        if _runs_inline():
+            update(*args, **kwargs)
+        else:
+            _queue_update(metric, update, args, kwargs)
+
+    return queue_update
+
+
+def _settling(metric: Module, method: Callable) -> Callable:
+    @functools.wraps(method)
+    def settle_then(*args: Any, **kwargs: Any) -> Any:
+        _settle(metric)
+        return method(*args, **kwargs)
+
+    return settle_then
+
+
+def _forward_inline(obj: Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+    """``forward`` in this thread, after the updates queued before it, on the inputs copied to the CPU now."""
+    _settle(obj)
+    args, kwargs = _on_cpu_now(args, kwargs)
+    with _Inline():
+        return forward(*args, **kwargs)
+
+
+class _OffloadedMetric(Metric):
+    """Put in front of the class of a Metric given to ``offload_to_cpu`` (see :func:`_offloaded_class`)."""
+
+    _offload: _UpdateQueue
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _METRIC_BOOKKEEPING or name in object.__getattribute__(self, "__dict__").get("_defaults", ()):
+            _settle(self)
+        return object.__getattribute__(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _METRIC_BOOKKEEPING or name in self.__dict__.get("_defaults", ()):
+            _settle(self)
+        super().__setattr__(name, value)
+
+    def _wrap_update(self, update: Callable) -> Callable:
+        return _offloading(self, super()._wrap_update(update))
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        return _settling(self, super()._wrap_compute(compute))
+
+    @torch.jit.unused
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """As the Metric's own ``forward``, on the CPU, after every update queued before it (it returns the value)."""
+        if _runs_inline():
+            return super().forward(*args, **kwargs)
+        return _forward_inline(self, super().forward, args, kwargs)
+
+    def reset(self) -> None:
+        _settle(self)
+        super().reset()
+
+    def sync(self, dist_sync_fn: Callable | None = None, *args: Any, **kwargs: Any) -> None:
+        _settle(self)  # this process's updates are in its state before it syncs with the others
+        super().sync(dist_sync_fn or self.dist_sync_fn, *args, **kwargs)
+
+    def _sync_dist(self, dist_sync_fn: Callable = gather_on_device, process_group: Any | None = None) -> None:
+        _sync_lists_on_device(self, super()._sync_dist, dist_sync_fn, process_group, _CPU)
+
+    @property
+    def metric_state(self) -> dict[str, list[Tensor] | Tensor]:
+        return {attr: getattr(self, attr) for attr in self._defaults}
+
+    def state_dict(  # type: ignore[override]
+        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        _settle(self)
+        return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        _settle(self)
+        super()._load_from_state_dict(*args, **kwargs)
+        self.cpu()  # a state loaded onto a device comes to the CPU
+
+    def merge_state(self, incoming_state: Any) -> None:
+        # torchmetrics wants an instance of this class: the Metric's own class is as good (its state is the same)
+        if isinstance(incoming_state, _bases[type(self)]):
+            incoming_state = cast(Metric, incoming_state).metric_state  # an offloaded one settles first
+        _settle(self)
+        super().merge_state(incoming_state)  # torchmetrics >= 1.1
+        self.cpu()
+
+    def _apply(self, fn: Callable, exclude_state: Any = "") -> Module:
+        _settle(self)
+        # `keep` shows `fn` in its repr, from which torchmetrics tells a `.half()` from a `.to()`
+        keep = functools.partial(_kept_on_cpu, fn, {})
+        return super()._apply(keep, exclude_state) if exclude_state else super()._apply(keep)
+
+    def __getstate__(self) -> dict[str, Any]:
+        _settle(self)
+        return super().__getstate__()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # the class is made at run time: pickle rebuilds it from the Metric's own class, which it finds by name
+        return _rebuild, (_bases[type(self)],), self.__getstate__()
+
+
+class _OffloadedContainer(Module):
+    """Put in front of a ``MetricCollection`` or ``MetricTracker`` given to ``offload_to_cpu``: one update queued."""
+
+    _offload: _UpdateQueue
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _COLLECTION_BOOKKEEPING:
+            _settle(self)
+        return object.__getattribute__(self, name)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Queue the update of every Metric held, once, on the inputs copied once."""
+        if _runs_inline():
+            super().update(*args, **kwargs)  # type: ignore[misc]
+        else:
+            _queue_update(self, super().update, args, kwargs)  # type: ignore[misc]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if _runs_inline():
+            return super().forward(*args, **kwargs)
+        return _forward_inline(self, super().forward, args, kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        _settle(self)
+        return _rebuild, (_bases[type(self)],), self.__getstate__()
+
+
+def _kept_on_cpu(fn: Callable, probes: dict[torch.dtype, Tensor], tensor: Tensor) -> Tensor:
+    """``fn(tensor)`` where it keeps a tensor on the CPU (a dtype, ``share_memory``); else only the dtype it gives.
+
+    What ``fn`` does is asked of an empty tensor of the same dtype, once per dtype, which copies or syncs nothing.
+    """
+    if tensor.dtype not in probes:
+        probes[tensor.dtype] = fn(torch.empty(0, dtype=tensor.dtype))
+    probe = probes[tensor.dtype]
+    if probe.device == _CPU:
+        return fn(tensor)
+    return tensor if probe.dtype == tensor.dtype else tensor.to(dtype=probe.dtype)
+
+
+_classes: dict[type, type] = {}
+_bases: dict[type, type] = {}
+
+
+def _offloaded_class(own_class: type) -> type:
+    """The front class put in front of ``own_class``, made once, with the name of ``own_class``."""
+    if own_class not in _classes:
+        front = _OffloadedMetric if issubclass(own_class, Metric) else _OffloadedContainer
+        names = {
+            "__module__": own_class.__module__,
+            "__qualname__": own_class.__qualname__,
+            # what TorchScript leaves alone: the Metric's own, and what this class adds (`metric_state` is a
+            # property of torchmetrics >= 1.1 only; `_offload` a Python object it would try to compile)
+            "__jit_unused_properties__": [*getattr(own_class, "__jit_unused_properties__", []), "metric_state"],
+            "__jit_ignored_attributes__": [*getattr(own_class, "__jit_ignored_attributes__", []), "_offload"],
+        }
+        made = type(own_class.__name__, (front, own_class), names)
+        _classes[own_class] = made
+        _bases[made] = own_class
+    return _classes[own_class]
+
+
+def _is_offloaded(obj: Any) -> bool:
+    return type(obj) in _bases
+
+
+def _rebuild(own_class: type) -> Module:
+    """An empty offloaded object of ``own_class``, for pickle to fill in with ``__setstate__``."""
+    made: Any = _offloaded_class(own_class)
+    return made.__new__(made)

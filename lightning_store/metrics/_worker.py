@@ -1,0 +1,131 @@
+"""The one background thread per process that runs offloaded Metrics' updates, in the order they were called."""
+
+import atexit
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+_local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
+
+
+def _runs_inline() -> bool:
+    """Whether this thread runs an offloaded Metric's methods directly, rather than queueing or waiting."""
+    return getattr(_local, "inline", 0) > 0
+
+
+class _Inline:
+    """``with _Inline():`` runs an offloaded Metric's methods directly in this thread (its ``forward``)."""
+
+    def __enter__(self) -> None:
+        _local.inline = getattr(_local, "inline", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.inline -= 1
+
+
+class _Job:
+    """One queued call: ``run()`` on a Metric's queue, numbered in that queue's order."""
+
+    __slots__ = ("number", "queue", "run")
+
+    def __init__(self, queue: Any, number: int, run: Callable[[], None]) -> None:
+        self.queue = queue
+        self.number = number
+        self.run = run
+
+
+class _Worker:
+    """A daemon thread started at the first job, with one FIFO for every offloaded Metric of the process.
+
+    ``lock`` guards the FIFO and every queue's counts; ``changed`` is notified when a job is queued or done. Before
+    the process forks (a DataLoader worker), the FIFO is run to its end, so the child starts with every state whole
+    and no torch call in flight in another thread; the child gets a worker of its own, started when it needs one.
+    At exit, jobs not yet run are dropped (nothing can read them any more) and the thread is given a moment to end.
+    """
+
+    exit_timeout_s = 2.0
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.jobs: deque[_Job] = deque()
+        self.thread: threading.Thread | None = None
+        self.busy = False
+        self.stopping = False
+
+    def submit(self, job: _Job) -> None:
+        """Queue ``job``; the caller holds ``lock`` and has counted it as pending on its queue."""
+        if self.thread is None:
+            _register_process_hooks()
+            self.thread = threading.Thread(target=self._loop, name="lightning-store-offload", daemon=True)
+            self.thread.start()
+        self.jobs.append(job)
+        self.changed.notify_all()
+
+    def is_worker_thread(self) -> bool:
+        return self.thread is not None and threading.get_ident() == self.thread.ident
+
+    def _loop(self) -> None:
+        _local.inline = 1
+        while True:
+            with self.lock:
+                while not self.jobs and not self.stopping:
+                    self.changed.wait()
+                if self.stopping:
+                    return
+                job = self.jobs.popleft()
+                self.busy = True
+            try:
+                job.queue.run(job)
+            finally:
+                with self.lock:
+                    self.busy = False
+                    job.queue.pending -= 1
+                    self.changed.notify_all()
+
+    def quiesce(self) -> None:
+        """Wait until every queued job has run (before a fork)."""
+        if self.thread is None or self.is_worker_thread():
+            return
+        with self.lock:
+            while self.jobs or self.busy:
+                self.changed.wait()
+
+    def stop(self) -> None:
+        """Drop the jobs not yet run and let the thread end (at exit)."""
+        with self.lock:
+            for job in self.jobs:
+                job.queue.pending -= 1
+            self.jobs.clear()
+            self.stopping = True
+            self.changed.notify_all()
+            thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.exit_timeout_s)
+
+
+_worker = _Worker()
+
+
+def _get_worker() -> _Worker:
+    return _worker
+
+
+def _fresh_in_child() -> None:
+    # the parent's thread does not exist here, and its lock may have been held by it: a worker of the child's own
+    global _worker
+    _worker = _Worker()
+
+
+_registered = False
+
+
+def _register_process_hooks() -> None:
+    """Register, once and only when a worker first starts, what a fork and the process's exit must do."""
+    global _registered
+    if not _registered:
+        _registered = True
+        os.register_at_fork(before=lambda: _worker.quiesce(), after_in_child=_fresh_in_child)
+        atexit.register(lambda: _worker.stop())

@@ -1,0 +1,153 @@
+"""``offload_to_cpu``: any torchmetrics Metric's update, states and compute on the CPU, off the training step."""
+
+from typing import Any, TypeVar
+
+from torch.nn import Module
+from torchmetrics import Metric, MetricCollection
+from torchmetrics.wrappers import BootStrapper, MetricTracker
+
+from lightning_store._configured import _StatesOnCPU
+from lightning_store._gather import _is_gather_on_device, gather_on_device
+from lightning_store._policy import _type_name
+from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of, _settling
+from lightning_store.metrics._queue import DEFAULT_MAX_PENDING, _UpdateQueue
+
+__all__ = ["offload_to_cpu"]
+
+_Offloadable = TypeVar("_Offloadable", Metric, MetricCollection, MetricTracker)
+_ACCEPTED = (Metric, MetricCollection, MetricTracker)
+_EXAMPLE = "`self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200))`"
+
+
+def offload_to_cpu(metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDING) -> _Offloadable:
+    """Run ``metric``'s updates in a background thread on the CPU, where all of its states live.
+
+    ``update()`` returns at once: it starts copying its inputs to the CPU (on CUDA a non-blocking copy into pinned
+    memory, ordered after the work that produced them; on the CPU a copy) and queues the update, which a worker
+    thread runs with the Metric's own ``update``, in call order. Every read waits for the updates queued before it:
+    ``compute``, ``forward``, ``reset``, ``sync``, ``state_dict`` and ``load_state_dict``, ``metric_state``,
+    ``merge_state``, reading a state, pickling, ``deepcopy`` and ``clone``. ``forward`` returns the batch value, so
+    it runs in the caller's thread, after those updates, on inputs copied to the CPU at once (a host sync on CUDA):
+    log the Metric object with ``on_step=False`` and call ``update`` in the step to keep it off the step.
+
+    Every value is, bit for bit, that of the same Metric run plainly on the CPU with the same inputs (on a GPU, not
+    that of the Metric run on the GPU). The states stay on the CPU whatever ``.to()``, ``.cuda()`` or ``set_dtype``
+    does; dtype conversions follow torchmetrics. Across processes, ``compute`` syncs as the plain Metric does, with
+    :func:`~lightning_store.gather_on_device` (on the collective's device under NCCL), after this process's queue
+    has run.
+
+    An update that raises in the worker raises again, with its type, the Metric's name and the update's number,
+    from the next call on the Metric; the updates queued behind it are not run (the error says how many), as the
+    calls after a raising ``update`` would not be. A Metric whose update draws random numbers from a global
+    generator (``BootStrapper``...) is refused: run later, it would change both its values and the model's random
+    numbers. That is checked on a copy, at the first ``update``.
+
+    One worker thread runs the updates of every offloaded Metric of the process. It uses torch's intra-op threads
+    (``torch.set_num_threads``) as the training loop does, and shares the cores with DataLoader workers: offload pays
+    where a core is free for it. A fork (DataLoader workers) first waits for the queued updates; at exit, those not
+    run are dropped.
+
+    Args:
+        metric: a ``torchmetrics.Metric`` (a wrapper too), ``MetricCollection`` or ``MetricTracker``, configured in
+            place with every Metric it holds, which share its queue.
+        max_pending: the most updates that wait for the worker; one more waits in ``update`` until one has run. Each
+            holds a copy of its inputs in host memory.
+
+    Returns:
+        ``metric`` itself.
+
+    Raises:
+        TypeError: if ``metric`` is not one of those (a class, say), or ``max_pending`` is not an int.
+        ValueError: if ``max_pending`` is not positive, or ``metric`` cannot be offloaded (it draws random numbers,
+            has a ``dist_sync_fn`` of its own, or was given to ``store_states_on_cpu``).
+
+    Example:
+        >>> import torch
+        >>> from torchmetrics.classification import BinaryAUROC
+        >>> auroc = offload_to_cpu(BinaryAUROC(thresholds=200))
+        >>> auroc.update(torch.tensor([0.1, 0.8, 0.4]), torch.tensor([0, 1, 1]))
+        >>> auroc.compute()
+        tensor(1.)
+
+    """
+    _check_max_pending(max_pending)
+    _check(metric)
+    queue = _queue_of(metric)
+    if queue is not None:  # offloaded already: only the bound changes
+        queue.max_pending = max_pending
+        return metric
+    members = [m for m in metric.modules() if isinstance(m, _ACCEPTED)]
+    for member in members:
+        _check_member(member, metric)
+    queue = _UpdateQueue(max_pending, name=type(metric).__name__)
+    for member in members:
+        _configure(member, queue)
+    return metric
+
+
+def _configure(member: Module, queue: _UpdateQueue) -> None:
+    member.__dict__["_offload"] = queue
+    member.__class__ = _offloaded_class(type(member))
+    if isinstance(member, Metric):
+        member.update = _offloading(member, member.update)  # type: ignore[method-assign]
+        member.compute = _settling(member, member.compute)  # type: ignore[method-assign]
+        if member.dist_sync_fn is None:
+            member.dist_sync_fn = gather_on_device
+    member.cpu()
+
+
+def _check_max_pending(max_pending: Any) -> None:
+    if isinstance(max_pending, bool) or not isinstance(max_pending, int):
+        raise TypeError(
+            f"Expected max_pending to be an int, got {max_pending!r} ({_type_name(max_pending)})."
+            f" HINT: pass a number of updates, such as max_pending={DEFAULT_MAX_PENDING} (the default)."
+        )
+    if max_pending <= 0:
+        raise ValueError(
+            f"Expected max_pending to be positive, got {max_pending}."
+            f" HINT: pass a number of updates, such as max_pending={DEFAULT_MAX_PENDING} (the default)."
+        )
+
+
+def _check(metric: Any) -> None:
+    if isinstance(metric, type) and issubclass(metric, _ACCEPTED):
+        raise TypeError(
+            f"offload_to_cpu() got the class {metric.__name__} itself, not a Metric made from it."
+            f" HINT: call the class, with parentheses: `offload_to_cpu({metric.__name__}(...))`, as in {_EXAMPLE}."
+        )
+    if not isinstance(metric, _ACCEPTED):
+        raise TypeError(
+            "offload_to_cpu() takes a torchmetrics Metric (a wrapper too), MetricCollection or MetricTracker, got"
+            f" {_type_name(metric)}. HINT: pass the Metric itself, as in {_EXAMPLE}."
+        )
+
+
+def _check_member(member: Module, root: Module) -> None:
+    """Raise an error that says why unless ``member`` (``root``, or a Metric inside it) can be offloaded."""
+    name = type(member).__name__
+    inside = "" if member is root else f" (inside the {type(root).__name__} given)"
+    if _is_offloaded(member):
+        raise ValueError(
+            f"offload_to_cpu() got a {type(root).__name__} holding a {name} offloaded on its own: its updates would"
+            f" run in two queues. HINT: offload only the {type(root).__name__}, which offloads every Metric inside."
+        )
+    if isinstance(member, _StatesOnCPU):
+        raise ValueError(
+            f"offload_to_cpu() got a {name}{inside} given to store_states_on_cpu, whose list states it copies to"
+            " the CPU after each update on its device. Offloading keeps every state on the CPU, which includes"
+            f" that. HINT: drop store_states_on_cpu and call only offload_to_cpu, as in {_EXAMPLE}."
+        )
+    if isinstance(member, BootStrapper):
+        raise ValueError(
+            f"offload_to_cpu() got a BootStrapper{inside}: its update draws random numbers to resample the batch."
+            " Run in the background, it would draw them at another time than the plain Metric, changing both its"
+            " values and the random numbers your model draws. HINT: keep the BootStrapper as it is (not offloaded)."
+        )
+    sync_fn = getattr(member, "dist_sync_fn", None)
+    if sync_fn is not None and not _is_gather_on_device(sync_fn):
+        raise ValueError(
+            f"offload_to_cpu() got a {name}{inside} with dist_sync_fn={sync_fn!r}: its states live on the CPU, and"
+            " their sync must copy them to the collective's device (NCCL refuses CPU tensors), which"
+            " lightning_store.gather_on_device does and another function may not. HINT: drop dist_sync_fn;"
+            " offload_to_cpu sets it to gather_on_device."
+        )
