@@ -6,8 +6,9 @@ import torch
 import torchmetrics
 from _metrics import LastSeenFirst
 from _support import LoggingModel, RecordingLogger, assert_same, loader, stored_tensors
+from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
-from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, store_states_on_cpu
+from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, offload_to_cpu, store_states_on_cpu
 from lightning_store._result import _StoredOnCPU
 
 pytestmark = [
@@ -264,3 +265,145 @@ def test_the_flag_keeps_a_plain_modules_state_on_the_cpu_without_a_host_sync_in_
         assert model.devices == ({"cpu"} if flag else {"cuda"})
         seen[flag] = dict(trainer.callback_metrics)
     _assert_close(seen[False], seen[True])
+
+
+# offload_to_cpu on the GPU: the oracle is the plain Metric on the CPU, fed CPU copies of the same inputs.
+
+
+def _metric_tensors(metric):
+    """Every tensor a Metric holds: its states (each list element), their defaults and its buffers (thresholds)."""
+    held = list(metric.buffers())
+    for name, default in metric._defaults.items():
+        for value in (getattr(metric, name), default):  # reading a state waits for the updates queued
+            held.extend(value if isinstance(value, list) else [value])
+    return held
+
+
+class _OffloadedAUROCModel(pl.LightningModule):
+    """Updates an offloaded ``BinaryAUROC`` every step, logged as a Metric object; keeps CPU copies of its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200))
+        self.inputs = []  # one list per epoch: each step's (preds, target), copied to the CPU
+        self.model_devices, self.state_devices, self.metric_devices = set(), set(), set()
+
+    def on_train_epoch_start(self):
+        self.inputs.append([])
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        scores = self.layer(x).squeeze(1)
+        preds, target = scores.detach().sigmoid(), (x[:, 0] > 0).long()
+        self.auroc.update(preds, target)
+        self.inputs[-1].append((preds.cpu(), target.cpu()))
+        self.log("auroc", self.auroc, on_step=False, on_epoch=True)
+        self.model_devices.update({self.layer.weight.device.type, x.device.type})
+        return scores.pow(2).mean()
+
+    def on_train_batch_end(self, *args):
+        self.state_devices.update(t.device.type for t in _metric_tensors(self.auroc))
+        self.metric_devices.add(self.auroc.device.type)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_an_offloaded_metric_in_a_gpu_fit_keeps_its_states_on_the_cpu_and_logs_the_plain_cpu_value(
+    gpu_trainer_kwargs,
+):
+    torch.manual_seed(0)
+    model, logger = _OffloadedAUROCModel(), RecordingLogger()
+    trainer = pl.Trainer(**{**gpu_trainer_kwargs, "logger": logger})
+    trainer.fit(model, loader(n=40))  # 2 epochs of 10 steps
+    assert model.model_devices == {"cuda"}
+    assert model.state_devices == model.metric_devices == {"cpu"}  # after every step
+    plain_values = []
+    for epoch in model.inputs:
+        plain = BinaryAUROC(thresholds=200)
+        for preds, target in epoch:
+            plain.update(preds, target)
+        plain_values.append(plain.compute())
+    assert [len(epoch) for epoch in model.inputs] == [10, 10]
+    logged = [metrics["auroc"] for _, metrics in logger.history if "auroc" in metrics]  # one per epoch
+    assert [float(value) for value in logged] == [float(value) for value in plain_values]  # bit for bit
+    callback = trainer.callback_metrics["auroc"]
+    assert callback.dtype == plain_values[-1].dtype and torch.equal(callback.cpu(), plain_values[-1])
+
+
+def _offload_batches(count, seed=0):
+    """``count`` batches of inputs on the GPU, by Metric: a list-state AUROC and a confusion matrix."""
+    generator = torch.Generator("cuda").manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        logits = torch.randn(64, 5, device="cuda", generator=generator)
+        target = torch.randint(5, (64,), device="cuda", generator=generator)
+        batches.append({"auroc": (logits[:, 0].sigmoid(), (target == 0).long()), "confmat": (logits, target)})
+    return batches
+
+
+def _offload_metrics():
+    return {"auroc": BinaryAUROC(thresholds=None), "confmat": MulticlassConfusionMatrix(num_classes=5)}
+
+
+def test_an_offloaded_metrics_update_makes_no_host_sync_after_the_first():
+    metrics = {name: offload_to_cpu(metric) for name, metric in _offload_metrics().items()}
+    batches = _offload_batches(30)
+    for step, batch in enumerate(batches):
+        for name, metric in metrics.items():
+            if step:  # the first update checks the Metric once, on inputs copied to the CPU at once
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                metric.update(*batch[name])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    plain = _offload_metrics()
+    for batch in batches:
+        for name, inputs in batch.items():
+            plain[name].update(*(tensor.cpu() for tensor in inputs))
+    for name, metric in metrics.items():
+        assert torch.equal(metric.compute(), plain[name].compute()), name  # an update that raised would raise here
+        assert all(t.is_cpu for t in _metric_tensors(metric)), name
+
+
+def test_an_input_changed_in_place_right_after_an_offloaded_update_is_taken_as_it_was():
+    """``CatMetric`` keeps each input as its list-state element: a change that reached the copy would show."""
+    metric, plain = offload_to_cpu(torchmetrics.CatMetric()), torchmetrics.CatMetric()
+    generator = torch.Generator("cuda").manual_seed(0)
+    for step in range(50):
+        x = torch.randn(2**20, device="cuda", generator=generator)  # 4 MiB: a copy long enough to race
+        plain.update(x.to("cpu", copy=True))  # the values as they are at the offloaded update
+        torch.cuda._sleep(_BUSY_CYCLES)  # the copy waits behind this, then would race the change made below
+        metric.update(x)
+        if step % 2:
+            x.add_(1)
+        else:
+            x.zero_()
+    assert torch.equal(metric.compute(), plain.compute())
+
+
+@pytest.mark.parametrize(
+    ("make", "fed"),
+    [
+        (lambda: BinaryAUROC(thresholds=None), "auroc"),  # list states
+        (lambda: BinaryAUROC(thresholds=200), "auroc"),  # a tensor state, and the thresholds as a buffer
+        (lambda: MulticlassConfusionMatrix(num_classes=5), "confmat"),
+    ],
+    ids=["list states", "binned", "confusion matrix"],
+)
+def test_cuda_on_an_offloaded_metric_keeps_its_states_on_the_cpu(make, fed):
+    (batch,) = _offload_batches(1)
+    inputs = batch[fed]
+    metric, plain = offload_to_cpu(make()), make()
+    metric.update(*inputs)  # a state to move
+    assert metric.cuda() is metric
+    metric.to("cuda")
+    assert metric.device == torch.device("cpu")
+    assert {t.device.type for t in _metric_tensors(metric)} == {"cpu"}
+    metric.update(*inputs)  # inputs on the GPU, after the move
+    for _ in range(2):
+        plain.update(*(tensor.cpu() for tensor in inputs))
+    value = metric.compute()
+    assert value.is_cpu and torch.equal(value, plain.compute())
+    assert {t.device.type for t in _metric_tensors(metric)} == {"cpu"}

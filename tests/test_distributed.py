@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from _metrics import ELEMENT_METRICS, WRAPPERS
 from _support import REDUCTIONS, run_workers
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
@@ -92,3 +93,70 @@ def test_the_flag_keeps_every_key_and_the_metrics_list_states_on_the_cpu_on_ever
         assert not any(name.startswith("_StoredOnCPU") for name, _ in plain["storage"].values())
         assert flagged["auroc_on_cpu"] is True and plain["auroc_on_cpu"] is False
         assert set(flagged["devices"].values()) == {"cpu"}
+
+
+OFFLOAD_WORKER = Path(__file__).with_name("_offload_ddp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def offload_run(tmp_path_factory):
+    """Both ranks' checks of the scenarios in ``_offload_ddp_worker.py``, one process per rank (and a fit)."""
+    return run_workers(OFFLOAD_WORKER, tmp_path_factory.mktemp("offload_ddp"))
+
+
+def _offload_checks(offload_run, scenario, expected):
+    """The checks of ``scenario`` on each rank, asserted to be there (the same on both) and to pass."""
+    by_rank = [seen["checks"][scenario] for seen in offload_run]
+    assert set(by_rank[0]) == set(by_rank[1]) and expected <= set(by_rank[0]), expected - set(by_rank[0])
+    for rank, checks in enumerate(by_rank):
+        failed = {name: check for name, check in checks.items() if not check["ok"]}
+        assert not failed, (rank, failed)
+    for name, check in by_rank[0].items():  # a synced value is the same on every rank
+        if check["synced"]:
+            assert by_rank[0][name]["got"] == by_rank[1][name]["got"], name
+    return by_rank
+
+
+@pytest.mark.distributed
+def test_offloaded_metric_computes_on_both_ranks_as_the_plain_metric(offload_run):
+    names = {"auroc", "confusion_matrix", "mean"}
+    _offload_checks(offload_run, "compute", names | {f"{n}_local_state" for n in names} | {f"{n}_again" for n in names})
+
+
+@pytest.mark.distributed
+def test_offloaded_metric_syncs_uneven_update_counts_and_a_rank_without_update(offload_run):
+    expected = {"auroc_3_1", "auroc_3_1_single", "auroc_0_2_single"}  # plain fails to sync a rank without update
+    for counts in ("3_1", "0_2"):
+        expected |= {f"{name}_{counts}" for name in ("confusion_matrix", "mean", *ELEMENT_METRICS)}
+    _offload_checks(offload_run, "uneven", expected)
+
+
+@pytest.mark.distributed
+def test_offloaded_metric_forward_syncs_each_batch_as_the_plain_metric(offload_run):
+    _offload_checks(offload_run, "sync_on_step", {"auroc", "mean", *ELEMENT_METRICS})
+
+
+@pytest.mark.distributed
+def test_offloaded_collection_and_wrappers_sync_as_the_plain_ones(offload_run):
+    _offload_checks(
+        offload_run,
+        "collection",
+        {"collection", "collection_forward"} | {f"wrapper_{n}" for n in WRAPPERS} - {"wrapper_BootStrapper"},
+    )
+
+
+@pytest.mark.distributed
+def test_offloaded_metric_settles_a_full_queue_before_the_collective_on_every_rank(offload_run):
+    by_rank = _offload_checks(offload_run, "many_queued", {"auroc", "sequence_max"})
+    for name in by_rank[0]:
+        slow = [checks[name] for checks in by_rank if checks[name]["slow"]]
+        assert len(slow) == 1, name  # one rank reaches the collective last
+        # its updates were still queued at `compute`, and `update` waited for room in the queue
+        assert slow[0]["pending_before_compute"] >= 1 and slow[0]["waits"] >= 1, (name, slow[0])
+
+
+@pytest.mark.distributed
+def test_lightning_fit_logs_the_offloaded_metric_as_the_plain_one_on_both_ranks(offload_run):
+    fits = [checks["fit"] for checks in _offload_checks(offload_run, "lightning", {"fit"})]
+    assert set(fits[0]["values"]) == {"auroc", "loss"}
+    assert 0 < fits[0]["values"]["auroc"] < 1  # not a degenerate value, which any order of the elements gives

@@ -9,9 +9,22 @@ from pathlib import Path
 import pytest
 import torch
 from _support import HANG_S
+from torchmetrics.classification import BinaryAUROC
 
 import lightning_store
-from lightning_store._selfcheck import _checks, _cli, _cuda, _env, _fits, _in_place, _metric, _render, _timing, _values
+from lightning_store._selfcheck import (
+    _checks,
+    _cli,
+    _cuda,
+    _env,
+    _fits,
+    _in_place,
+    _metric,
+    _offload,
+    _render,
+    _timing,
+    _values,
+)
 from lightning_store._selfcheck._core import Check, Context, Outcome, Skip, run_check
 
 ROOT = Path(__file__).parent.parent
@@ -24,8 +37,10 @@ CHECK_IDS = [
     "metric_states",
     "metric_nccl_sync",
     "in_place",
+    "offload",
 ]
 IN_PLACE_NEEDS = "the copies to the CPU run on a side stream on CUDA only"
+OFFLOAD_NEEDS = "the inputs' copies to the CPU without a host sync are CUDA's"
 NO_CUDA = "needs CUDA, and no CUDA device was found: "
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what a machine without CUDA gives")
 
@@ -131,6 +146,11 @@ def test_on_a_machine_without_cuda_the_cpu_checks_pass_and_the_cuda_checks_skip_
     else:
         assert checks["metric_states"]["status"] == checks["metric_nccl_sync"]["status"] == "SKIP"
     assert (checks["in_place"]["status"], checks["in_place"]["detail"]) == ("SKIP", NO_CUDA + IN_PLACE_NEEDS)
+    offload = checks["offload"]  # its CPU part passes, its CUDA part is skipped with the reason
+    assert offload["status"] == "PASS", offload["detail"]
+    assert offload["detail"].endswith(f"; its CUDA part skipped ({NO_CUDA}{OFFLOAD_NEEDS})")
+    assert offload["data"]["cuda"] is None and offload["data"]["cuda_skipped"] == NO_CUDA + OFFLOAD_NEEDS
+    assert offload["data"]["cpu"]["same"] == {"BinaryAUROC": True, "MulticlassConfusionMatrix": True}
 
 
 def test_the_cli_leaves_no_file_behind(cli_run):
@@ -311,6 +331,88 @@ def test_the_in_place_check_runs_its_fits_and_its_metric_on_the_cpu_and_fails_wh
     skewed = _in_place.in_place_outcome(context, None)
     assert skewed.status == "FAIL" and skewed.detail.startswith("logged values: ") and "running" in skewed.detail
     assert skewed.data["metric_updates"] == 0
+
+
+def test_the_offload_check_passes_on_the_cpu_and_skips_its_cuda_part_with_the_reason(tmp_path):
+    (check,) = [check for check in _checks.CHECKS if check.id == "offload"]
+    assert check.title == "Metric offloaded to the CPU"
+    result = run_check(check, Context("cpu", tmp_path))
+    why_not = "no CUDA device was found" if not torch.cuda.is_available() else "--device cpu"
+    assert result.status == "PASS", result.detail
+    assert result.detail == (
+        f"BinaryAUROC(thresholds=200) and MulticlassConfusionMatrix(num_classes=5), {_offload.BATCHES} updates each on"
+        " the CPU, every one queued: values bit for bit those of the plain Metrics, every state on the CPU;"
+        f" its CUDA part skipped (needs CUDA, and {why_not}: {OFFLOAD_NEEDS})"
+    )
+    cpu = result.data["cpu"]
+    assert cpu["updates"] == _offload.BATCHES and cpu["syncs"] is None
+    assert cpu["queued"] == {"BinaryAUROC": _offload.BATCHES, "MulticlassConfusionMatrix": _offload.BATCHES}
+    assert cpu["state_devices"] == cpu["metric_devices"] == {"cpu"} and cpu["device_bytes"] == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_offload_checks_cuda_part_runs_on_the_cpu_counting_every_update_after_the_first(monkeypatch):
+    """Its CUDA part on the CPU, its sync counter replaced (torch counts syncs on CUDA only): the run, the figures."""
+    counted = []
+
+    def fake_host_syncs(call, blocked):
+        counted.append(call.func.__qualname__)  # the Metric's own `update`, wrapped
+        call()
+        return 0
+
+    monkeypatch.setattr(_offload, "host_syncs", fake_host_syncs)
+    outcome = _offload.offload_outcome(torch.device("cpu"))
+    assert outcome.status == "PASS", outcome.detail
+    assert len(counted) == 2 * _offload.UPDATES  # the first update of each Metric is not counted
+    assert set(counted) == {"BinaryPrecisionRecallCurve.update", "MulticlassConfusionMatrix.update"}
+    run = outcome.data["cuda"]
+    assert run["updates"] == _offload.UPDATES + 1 and run["syncs"] == 0 and run["device_bytes"] == 0
+    assert run["same"] == {"BinaryAUROC": True, "MulticlassConfusionMatrix": True}
+    assert run["device_diff"] == {"BinaryAUROC": 0.0, "MulticlassConfusionMatrix": 0.0}
+    assert (
+        f"; on cpu, in a module moved with .cuda(): 0 host syncs in {_offload.UPDATES} updates each after the first"
+        in outcome.detail
+    )
+    assert (
+        "the plain Metrics run on cpu differ from them by at most 0 (BinaryAUROC), 0 (MulticlassConfusionMatrix)"
+        in (outcome.detail)
+    )
+
+
+def test_the_offload_check_fails_on_a_host_sync_in_an_update(monkeypatch):
+    calls = []
+
+    def fake_host_syncs(call, blocked):
+        call()
+        calls.append(call)
+        return 1 if len(calls) == 7 else 0
+
+    monkeypatch.setattr(_offload, "host_syncs", fake_host_syncs)
+    outcome = _offload.offload_outcome(torch.device("cpu"))
+    assert outcome.status == "FAIL" and outcome.data["cuda"]["syncs"] == 1
+    assert outcome.detail == f"on cpu: 1 host syncs in the {_offload.UPDATES} updates per Metric after the first"
+
+
+@pytest.mark.parametrize(
+    ("configure", "problem"),
+    [
+        (lambda metric: metric, "BinaryAUROC: 0 of its 12 updates went through its queue"),
+        (
+            lambda metric: lightning_store.offload_to_cpu(
+                BinaryAUROC(thresholds=100) if isinstance(metric, BinaryAUROC) else metric
+            ),
+            "BinaryAUROC's value differs from the plain Metric's",
+        ),
+    ],
+    ids=["not offloaded", "another value"],
+)
+def test_the_offload_check_fails_where_a_metric_is_not_offloaded_or_its_value_differs(
+    monkeypatch, tmp_path, configure, problem
+):
+    monkeypatch.setattr(_offload, "offload_to_cpu", configure)
+    outcome = _offload.check_offload(Context("cpu", tmp_path))
+    assert outcome.status == "FAIL"
+    assert outcome.detail.startswith(f"on the CPU: {problem}"), outcome.detail
 
 
 def test_help_documents_json_and_the_exit_status(capsys):

@@ -4,6 +4,7 @@ from ._core import Check
 from ._cuda import check_nccl_sync_dist, check_no_sync
 from ._in_place import check_in_place
 from ._metric import check_metric_nccl_sync, check_metric_states
+from ._offload import check_offload
 from ._timing import check_step_time
 from ._values import check_storage, check_values
 
@@ -16,4 +17,5 @@ CHECKS: list[Check] = [
     Check("metric_states", "Metric list states on the CPU", check_metric_states),
     Check("metric_nccl_sync", "Metric sync through NCCL", check_metric_nccl_sync),
     Check("in_place", "changed in place after the call", check_in_place),
+    Check("offload", "Metric offloaded to the CPU", check_offload),
 ]

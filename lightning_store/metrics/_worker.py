@@ -7,6 +7,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 _local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
 
 
@@ -26,14 +28,20 @@ class _Inline:
 
 
 class _Job:
-    """One queued call: ``run()`` on a Metric's queue, numbered in that queue's order."""
+    """One queued call: ``run()`` on a Metric's queue, numbered in that queue's order.
 
-    __slots__ = ("number", "queue", "run")
+    It keeps the caller's number of torch threads: torch fixes a thread's own when it first runs a parallel op, and
+    a reduction split over another number of threads adds in another order (Lightning's DDP launcher, say, calls
+    ``torch.set_num_threads`` when the fit starts). The worker runs the job with the caller's.
+    """
+
+    __slots__ = ("number", "queue", "run", "threads")
 
     def __init__(self, queue: Any, number: int, run: Callable[[], None]) -> None:
         self.queue = queue
         self.number = number
         self.run = run
+        self.threads = torch.get_num_threads()
 
 
 class _Worker:
@@ -78,6 +86,8 @@ class _Worker:
                 job = self.jobs.popleft()
                 self.busy = True
             try:
+                if torch.get_num_threads() != job.threads:
+                    torch.set_num_threads(job.threads)
                 job.queue.run(job)
             finally:
                 with self.lock:

@@ -1,0 +1,499 @@
+"""What ``offload_to_cpu`` saves the caller: ``update`` time, a training loop's wall time, a tiny Metric, a GPU step.
+
+Every figure is a ratio, offloaded to plain, measured side by side in one run: the ways run in a shuffled order in
+each round, each round gives one ratio, and the script prints the median ratio over rounds with its interquartile
+range (the machine's noise). The whole process runs at ``--threads`` intra-op threads (default 1; the worker thread
+of ``offload_to_cpu`` uses the same number). Every offloaded Metric's value is checked equal (``torch.equal``) to
+that of the same Metric run plainly on the same inputs; a mismatch is printed and the script exits with 1.
+
+1. CPU, heavy Metric: the caller's time in ``update`` for ``BinaryAUROC(thresholds=200)`` and
+   ``MulticlassConfusionMatrix(num_classes=1000)`` at 100,000 and 1,000,000 predictions per batch, against the
+   plain ``update``. Each round makes ``--calls`` calls: the offloaded Metric has room for all of them
+   (``max_pending=calls``) and settles after them, outside the timed region; the figure is the median call.
+   Reported apart: the queue full (``max_pending=1``), where every call after the first waits for the worker
+   (backpressure: the bound does not change that steady state, only how many calls pass before it), and the
+   worker's time per update (the burst and its settling, over the calls). The first ``update`` of an offloaded
+   Metric runs a one-time check in the caller (a deep copy and a trial update); it is reported in the notes.
+   Goal: at most 0.05 with room in the queue.
+2. CPU, a training loop: a small MLP's forward, backward and SGD step, with ``BinaryAUROC(thresholds=200)``
+   updated on its predictions after the forward; sizes such that the update is about half of the inline step.
+   The loop's wall time, ``compute`` at the end included, offloaded (default ``max_pending``) against inline.
+   With one thread for the model, the worker has the second core to itself. Goal: at most 0.75.
+3. CPU, a tiny Metric: ``MeanMetric`` of a scalar, µs per ``update`` plain and offloaded, the caller's and in all
+   (the updates and ``compute``, which waits for the worker): what offloading costs where there is nothing to save.
+4. GPU (only with CUDA): (a) the host syncs per ``update`` of an offloaded ``BinaryAUROC(thresholds=200)`` fed
+   CUDA tensors, counted with ``torch.cuda.set_sync_debug_mode("warn")`` by the thread that made them, the first
+   update apart (its one-time check copies the inputs at once); (b) the device bytes of its states; (c) the step
+   time of a small CUDA model's training step with an offloaded ``MulticlassConfusionMatrix(num_classes=1000)``
+   updated on 1,000,000 predictions against the same step without a Metric, the device synchronised around each
+   timed loop only. Goals: 0 syncs per update after the first, 0 device bytes, a step ratio of at most 1.02.
+
+    python benchmarks/offload.py [--rounds 5] [--calls 5] [--threads 1] [--parts heavy loop tiny gpu]
+    python benchmarks/offload.py --quick   # small sizes, 2 rounds: checks the script itself
+"""
+
+import argparse
+import random
+import resource
+import statistics
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torchmetrics
+from torch import Tensor
+from torchmetrics import MeanMetric, Metric
+from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
+
+from lightning_store import offload_to_cpu
+
+GOAL_UPDATE, GOAL_LOOP, GOAL_STEP = 0.05, 0.75, 1.02
+PARTS = ("heavy", "loop", "tiny", "gpu")
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
+
+
+@dataclass
+class Row:
+    """One line of the table: a figure per round for the baseline and the offloaded way."""
+
+    part: str
+    what: str
+    unit: str
+    scale: float
+    goal: float | None = None
+    base: list[float] = field(default_factory=list)
+    offloaded: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+
+    def check(self, what: str, got: Tensor, expected: Tensor) -> None:
+        """Record (and print at once) a value of an offloaded Metric that differs from the plain Metric's."""
+        if not torch.equal(got, expected):
+            message = f"VALUE MISMATCH, {what}: offloaded {got.tolist()} != plain {expected.tolist()}"
+            print(message, file=sys.stderr, flush=True)
+            self.mismatches.append(message)
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return q1, median, q3
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(_RUSAGE_THREAD).ru_minflt if _RUSAGE_THREAD is not None else 0
+
+
+def _settle(metric: Metric) -> None:
+    metric._offload.settle()
+
+
+def _shuffled(ways: list[str], rng: random.Random) -> list[str]:
+    return rng.sample(ways, len(ways))
+
+
+# 1. CPU, heavy Metric: the caller's time per update
+
+
+def _binary(n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    return torch.rand(n, generator=generator), torch.randint(0, 2, (n,), generator=generator)
+
+
+def _multiclass(n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    return torch.randint(0, 1000, (n,), generator=generator), torch.randint(0, 1000, (n,), generator=generator)
+
+
+HEAVY: dict[str, tuple[Callable[[], Metric], Callable]] = {
+    "BinaryAUROC(thresholds=200)": (lambda: BinaryAUROC(thresholds=200), _binary),
+    "MulticlassConfusionMatrix(num_classes=1000)": (lambda: MulticlassConfusionMatrix(num_classes=1000), _multiclass),
+}
+
+
+def _timed_calls(metric: Metric, batches: list[tuple[Tensor, Tensor]]) -> tuple[list[float], int]:
+    """The time of each ``update`` call, and the minor page faults of this thread over them."""
+    times, faults = [], 0
+    for preds, target in batches:
+        before = _minor_faults()
+        start = time.perf_counter()
+        metric.update(preds, target)
+        times.append(time.perf_counter() - start)
+        faults += _minor_faults() - before
+    return times, faults
+
+
+def heavy(report: Report, rounds: int, calls: int, sizes: tuple[int, ...]) -> None:
+    rng = random.Random(0)
+    for name, (make, inputs) in HEAVY.items():
+        for n in sizes:
+            generator = torch.Generator().manual_seed(n)
+            batches = [inputs(n, generator) for _ in range(calls)]
+            what = f"{name}, {n:,} preds"
+            room = Row("1", f"{what}: caller's `update`, queue with room", "ms", 1e3, GOAL_UPDATE)
+            full = Row("1", f"{what}: caller's `update`, queue full (backpressure)", "ms", 1e3)
+            worker = Row("1", f"{what}: worker's time per update (throughput)", "ms", 1e3)
+            metrics = {
+                "plain": make(),
+                "room": offload_to_cpu(make(), max_pending=calls),
+                "full": offload_to_cpu(make(), max_pending=1),
+            }
+            first: dict[str, float] = {}
+            for way, metric in metrics.items():  # the same first batch for all: the first offloaded call checks
+                start = time.perf_counter()
+                metric.update(*batches[0])
+                first[way] = time.perf_counter() - start
+                if way != "plain":
+                    _settle(metric)
+            faults = 0
+            for _ in range(rounds):
+                per_way: dict[str, float] = {}
+                for way in _shuffled(list(metrics), rng):
+                    start = time.perf_counter()
+                    times, way_faults = _timed_calls(metrics[way], batches)
+                    if way == "plain":
+                        per_way[way] = statistics.median(times)
+                        continue
+                    _settle(metrics[way])
+                    if way == "room":
+                        per_way["worker"] = (time.perf_counter() - start) / calls
+                        faults += way_faults
+                    per_way[way] = statistics.median(times if way == "room" else times[1:])
+                for row, way in ((room, "room"), (full, "full"), (worker, "worker")):
+                    row.base.append(per_way["plain"])
+                    row.offloaded.append(per_way[way])
+            report.rows += [room, full, worker]
+            expected = metrics["plain"].compute()
+            for way in ("room", "full"):
+                report.check(f"{what}, queue {way}", metrics[way].compute(), expected)
+            waits = metrics["full"]._offload.waits
+            report.notes.append(
+                f"{what}: the first offloaded `update` (one-time check) took {first['room'] * 1e3:.1f} ms"
+                f" ({first['room'] / statistics.median(room.base):.2f}x a plain update); with room, the caller's"
+                f" minor page faults per update: {faults / (rounds * calls):.0f}; queue full: {waits} waits"
+            )
+
+
+# 2. CPU, a training loop: the model on one thread, the update beside it
+
+
+LOOP_STEPS, LOOP_BATCH, LOOP_WIDTH, LOOP_FEATURES = 60, 8192, 48, 64
+
+
+def _mlp(features: int, width: int) -> torch.nn.Module:
+    layers = [torch.nn.Linear(features, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def _run_loop(
+    model: torch.nn.Module, initial: dict, metric: Metric, data: list[tuple[Tensor, Tensor]], steps: int
+) -> tuple[float, float, float, Tensor]:
+    """The wall time of ``steps`` steps and ``compute``, the time in ``update``, in ``compute``, and the value."""
+    model.load_state_dict(initial)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    metric.reset()
+    in_update = 0.0
+    start = time.perf_counter()
+    for step in range(steps):
+        features, target = data[step % len(data)]
+        logits = model(features).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target.float())
+        update_start = time.perf_counter()
+        metric.update(logits.detach().sigmoid(), target)
+        in_update += time.perf_counter() - update_start
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    compute_start = time.perf_counter()
+    value = metric.compute()
+    end = time.perf_counter()
+    return end - start, in_update, end - compute_start, value
+
+
+def loop(report: Report, rounds: int, steps: int, batch: int, width: int) -> None:
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(batch, LOOP_FEATURES, generator=generator), torch.randint(0, 2, (batch,))) for _ in range(8)]
+    model = _mlp(LOOP_FEATURES, width)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics = {"inline": BinaryAUROC(thresholds=200), "offloaded": offload_to_cpu(BinaryAUROC(thresholds=200))}
+    for metric in metrics.values():  # warm-up, and the one-time check of the first offloaded update
+        _run_loop(model, initial, metric, data, 2)
+    row = Row("2", f"training loop, {steps} steps + `compute`, batch {batch:,}, MLP width {width}", "s", 1, GOAL_LOOP)
+    share: list[float] = []
+    rest: dict[str, list[float]] = {way: [] for way in metrics}  # the step without `update`, and `compute`
+    computing: dict[str, list[float]] = {way: [] for way in metrics}
+    queue = metrics["offloaded"]._offload
+    waits, waited_s = queue.waits, queue.waited_s
+    rng = random.Random(1)
+    for _ in range(rounds):
+        walls, values = {}, {}
+        for way in _shuffled(list(metrics), rng):
+            walls[way], in_update, in_compute, values[way] = _run_loop(model, initial, metrics[way], data, steps)
+            rest[way].append((walls[way] - in_update - in_compute) / steps)
+            computing[way].append(in_compute)
+            if way == "inline":
+                share.append(in_update / walls[way])
+        row.base.append(walls["inline"])
+        row.offloaded.append(walls["offloaded"])
+        report.check(f"training loop, {steps} steps", values["offloaded"], values["inline"])
+    report.rows.append(row)
+    report.notes.append(
+        f"training loop: `update` is {statistics.median(share):.0%} of the inline loop; offloaded, `update` waited"
+        f" for room {queue.waits - waits} times in {rounds * steps} steps ({queue.waited_s - waited_s:.2f} s in all);"
+        " the step without `update`, inline and offloaded: "
+        + ", ".join(f"{statistics.median(rest[way]) * 1e3:.1f} ms" for way in metrics)
+        + "; `compute` at the end: "
+        + ", ".join(f"{statistics.median(computing[way]) * 1e3:.1f} ms" for way in metrics)
+    )
+
+
+# 3. CPU, a tiny Metric
+
+
+def tiny(report: Report, rounds: int, updates: int) -> None:
+    generator = torch.Generator().manual_seed(2)
+    scalars = [torch.rand((), generator=generator) for _ in range(64)]
+    metrics = {"plain": MeanMetric(), "offloaded": offload_to_cpu(MeanMetric())}
+    for metric in metrics.values():
+        metric.update(scalars[0])
+        metric.compute()
+    caller = Row("3", f"MeanMetric of a scalar: caller's `update`, {updates:,} in a row", "µs", 1e6)
+    total = Row("3", f"MeanMetric of a scalar: {updates:,} updates + `compute`, per update", "µs", 1e6)
+    queue = metrics["offloaded"]._offload
+    waits = queue.waits
+    rng = random.Random(2)
+    for _ in range(rounds):
+        values = {}
+        for way in _shuffled(list(metrics), rng):
+            metric = metrics[way]
+            metric.reset()
+            start = time.perf_counter()
+            for i in range(updates):
+                metric.update(scalars[i % len(scalars)])
+            called = time.perf_counter() - start
+            values[way] = metric.compute()
+            done = time.perf_counter() - start
+            (caller.base if way == "plain" else caller.offloaded).append(called / updates)
+            (total.base if way == "plain" else total.offloaded).append(done / updates)
+        report.check("MeanMetric", values["offloaded"], values["plain"])
+    report.rows += [caller, total]
+    report.notes.append(
+        f"MeanMetric: offloaded, `update` waited for room {queue.waits - waits} times in {rounds * updates} calls"
+    )
+
+
+# 4. GPU
+
+
+class SyncCounter:
+    """Counts the host-device syncs torch warns of (``set_sync_debug_mode("warn")``), in this thread and others."""
+
+    def __enter__(self) -> "SyncCounter":
+        self.here = self.elsewhere = 0
+        this_thread = threading.get_ident()
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+
+        def count(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                if threading.get_ident() == this_thread:
+                    self.here += 1
+                else:
+                    self.elsewhere += 1
+
+        warnings.showwarning = count
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+
+
+def _state_device_bytes(metric: Metric) -> int:
+    total = 0
+    for name in metric._defaults:
+        value = getattr(metric, name)
+        for tensor in value if isinstance(value, list) else [value]:
+            total += 0 if tensor.is_cpu else tensor.numel() * tensor.element_size()
+    return total
+
+
+GPU_WIDTH, GPU_DEPTH, GPU_BATCH = 2048, 4, 4096
+GPU_SYNC_UPDATES, GPU_STEPS = 50, 30  # GPU_STEPS: 2 pinned buffers a step, all in flight, within the pool of 64
+
+
+def gpu(report: Report, rounds: int, quick: bool) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator(device=device).manual_seed(3)
+
+    # (a), (b): syncs and device bytes of an offloaded BinaryAUROC fed CUDA tensors
+    n = 10_000 if quick else 100_000
+    batches = [
+        (torch.rand(n, device=device, generator=generator), torch.randint(0, 2, (n,), device=device, generator=generator))
+        for _ in range(8)
+    ]
+    metric = offload_to_cpu(BinaryAUROC(thresholds=200)).to(device)  # as a LightningModule's `.to()` moves it
+    torch.cuda.synchronize(device)
+    with SyncCounter() as first:
+        metric.update(*batches[0])
+    _settle(metric)
+    with SyncCounter() as steady:
+        for i in range(GPU_SYNC_UPDATES):
+            metric.update(*batches[i % len(batches)])
+        _settle(metric)  # inside: the worker's syncs, landing the copies, are counted too (elsewhere)
+    oracle = BinaryAUROC(thresholds=200)
+    for i in [0, *range(GPU_SYNC_UPDATES)]:
+        oracle.update(*(t.cpu() for t in batches[i % len(batches)]))
+    report.check("GPU, BinaryAUROC fed CUDA tensors", metric.compute(), oracle.compute())
+    on_device = BinaryAUROC(thresholds=200).to(device)
+    on_device.update(*batches[0])
+    report.notes.append(
+        f"GPU (a): host syncs in the caller's thread: {first.here} in the first `update` (its one-time check),"
+        f" {steady.here / GPU_SYNC_UPDATES:.2f} per update over the next {GPU_SYNC_UPDATES} (goal 0); in the"
+        f" worker: {steady.elsewhere / GPU_SYNC_UPDATES:.2f} per update (waiting for its copies, off the step)"
+    )
+    report.notes.append(
+        f"GPU (b): device bytes of the offloaded Metric's states: {_state_device_bytes(metric)} (goal 0); the same"
+        f" Metric plainly on the device holds {_state_device_bytes(on_device)}"
+    )
+
+    # (c): a training step with an offloaded heavy Metric, against the step without one
+    width, depth, batch = (256, 2, 256) if quick else (GPU_WIDTH, GPU_DEPTH, GPU_BATCH)
+    preds_n = 100_000 if quick else 1_000_000
+    steps = 5 if quick else GPU_STEPS
+    layers = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())][:-1]
+    model = torch.nn.Sequential(*layers).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    features = torch.randn(batch, width, device=device, generator=generator)
+    pool = [
+        (
+            torch.randint(0, 1000, (preds_n,), device=device, generator=generator),
+            torch.randint(0, 1000, (preds_n,), device=device, generator=generator),
+        )
+        for _ in range(4)
+    ]
+    make = lambda: MulticlassConfusionMatrix(num_classes=1000)  # noqa: E731
+    ways: dict[str, Metric | None] = {
+        "none": None,
+        "room": offload_to_cpu(make(), max_pending=steps).to(device),
+        "default": offload_to_cpu(make()).to(device),  # max_pending=8
+    }
+
+    def timed(metric: Metric | None) -> float:
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for step in range(steps):
+            loss = model(features).pow(2).mean()
+            if metric is not None:
+                metric.update(*pool[step % len(pool)])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        torch.cuda.synchronize(device)
+        seconds = (time.perf_counter() - start) / steps
+        if metric is not None:
+            _settle(metric)  # outside the timed region
+        return seconds
+
+    for metric in ways.values():  # warm-up: kernels, the pinned buffers, the one-time check
+        timed(metric)
+    room = Row("4", f"GPU step, MulticlassConfusionMatrix, {preds_n:,} preds: queue with room", "ms", 1e3, GOAL_STEP)
+    default = Row("4", f"GPU step, MulticlassConfusionMatrix, {preds_n:,} preds: max_pending=8, steady", "ms", 1e3)
+    rng = random.Random(3)
+    waits = ways["default"]._offload.waits
+    for _ in range(rounds):
+        per_way = {way: timed(ways[way]) for way in _shuffled(list(ways), rng)}
+        for row, way in ((room, "room"), (default, "default")):
+            row.base.append(per_way["none"])
+            row.offloaded.append(per_way[way])
+    report.rows += [room, default]
+    checked = ways["room"]
+    checked.reset()
+    oracle = make()
+    for preds, target in pool:
+        checked.update(preds, target)
+        oracle.update(preds.cpu(), target.cpu())
+    report.check("GPU, MulticlassConfusionMatrix", checked.compute(), oracle.compute())
+    report.notes.append(
+        f"GPU (c): MLP {depth} x {width}, batch {batch}, {steps} steps a timed loop; the update copies"
+        f" {2 * preds_n * 8 / 2**20:.0f} MiB to the host a step; max_pending=8: {ways['default']._offload.waits - waits}"
+        f" waits in {rounds * steps} steps"
+    )
+
+
+def print_table(report: Report) -> None:
+    print("| part | measurement | plain | offloaded | ratio, median (IQR) | goal | |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in report.rows:
+        ratios = [o / b for o, b in zip(row.offloaded, row.base, strict=True)]
+        q1, ratio, q3 = quartiles(ratios)
+        base, off = (statistics.median(values) * row.scale for values in (row.base, row.offloaded))
+        goal, verdict = ("", "") if row.goal is None else (f"<= {row.goal}", "met" if ratio <= row.goal else "NOT met")
+        print(
+            f"| {row.part} | {row.what} | {base:.3g} {row.unit} | {off:.3g} {row.unit} | {ratio:.3f}"
+            f" ({q1:.3f} to {q3:.3f}) | {goal} | {verdict} |"
+        )
+    print()
+    for note in report.notes:
+        print(f"- {note}")
+
+
+def _warm_up_allocator() -> None:
+    """Allocate and free 30 MiB: glibc raises its mmap threshold, as any earlier large allocation would.
+
+    Below it, freed memory is kept for the next allocation rather than handed back; without it, a Metric's
+    temporaries of a few MiB page-fault afresh at every call in the main thread (not in the worker's arena) until
+    something large has been freed, and a part's figures would depend on the parts run before it.
+    """
+    block = torch.empty(30 * 2**20, dtype=torch.uint8)
+    del block
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=5, help="heavy Metric: update calls a round")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, process-wide")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds: checks the script itself")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    _warm_up_allocator()
+    rounds = 2 if args.quick else max(args.rounds, 2)
+    calls = 3 if args.quick else max(args.calls, 2)
+    report = Report()
+    started = time.perf_counter()
+    print(
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, torchmetrics {torchmetrics.__version__},"
+        f" {torch.get_num_threads()} intra-op thread(s); {rounds} rounds; `python {' '.join(sys.argv)}`\n"
+    )
+    if "heavy" in args.parts:
+        heavy(report, rounds, calls, (10_000, 100_000) if args.quick else (100_000, 1_000_000))
+    if "loop" in args.parts:
+        loop(report, rounds, *((5, 1024, 32) if args.quick else (LOOP_STEPS, LOOP_BATCH, LOOP_WIDTH)))
+    if "tiny" in args.parts:
+        tiny(report, rounds, 200 if args.quick else 2000)
+    if "gpu" in args.parts:
+        if torch.cuda.is_available():
+            gpu(report, rounds, args.quick)
+        else:
+            report.notes.append(f"GPU part skipped: torch.cuda.is_available() is False (torch {torch.__version__})")
+    print_table(report)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    if report.mismatches:
+        print(f"\n{len(report.mismatches)} VALUE MISMATCH(ES): see above", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

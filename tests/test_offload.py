@@ -1,0 +1,463 @@
+"""``offload_to_cpu`` in one process: the same values as the plain Metric on the CPU, bit for bit, off the caller."""
+
+import copy
+import pickle
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from _metrics import ELEMENT_METRICS, WRAPPERS, binary, flatten, run_wrapper
+from torch import Tensor
+from torchmetrics import CatMetric, MeanMetric, Metric, MetricCollection, SumMetric
+from torchmetrics.classification import (
+    BinaryAccuracy,
+    BinaryAUROC,
+    BinaryPrecision,
+    BinaryRecall,
+    MulticlassConfusionMatrix,
+)
+from torchmetrics.utilities.data import dim_zero_cat
+from torchmetrics.wrappers import BootStrapper, MetricTracker
+
+from lightning_store import gather_on_device, offload_to_cpu, store_states_on_cpu
+from lightning_store.metrics._offloaded import _queue_of
+from lightning_store.metrics._worker import _get_worker
+
+GATE = threading.Event()  # held by `Gated.update`: closed, updates stay queued; a Metric must deep-copy, so not held
+
+
+@pytest.fixture(autouse=True)
+def _open_gate():
+    GATE.set()
+    yield
+    GATE.set()
+
+
+class Gated(Metric):
+    """A tensor state and a list state; ``update`` waits for ``GATE``, so that a test can hold updates queued."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum", persistent=True)
+        self.add_state("values", [], dist_reduce_fx="cat", persistent=True)
+
+    def update(self, x: Tensor) -> None:
+        GATE.wait()
+        self.total += x.sum()
+        self.values.append(x)
+
+    def compute(self) -> Tensor:
+        return self.total + (dim_zero_cat(self.values).sum() if self.values else 0)
+
+
+def _batches(count=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.rand(5, generator=generator) for _ in range(count)]
+
+
+def _assert_same(a, b):
+    flat_a, flat_b = flatten(a), flatten(b)
+    assert len(flat_a) == len(flat_b)
+    for x, y in zip(flat_a, flat_b, strict=True):
+        if not isinstance(x, Tensor):
+            assert type(x) is type(y) and x == y, (x, y)
+            continue
+        assert x.dtype == y.dtype and x.device == y.device and torch.equal(x, y), (x, y)
+
+
+def _queued(metric, batches):
+    """``metric`` after a first update run at once, then ``batches`` held queued behind the closed gate."""
+    metric.update(torch.ones(5))
+    metric.compute()
+    GATE.clear()
+    started = time.perf_counter()
+    for batch in batches:
+        metric.update(batch)
+    assert time.perf_counter() - started < 1.0  # returned at once: nothing ran
+    assert _queue_of(metric).pending == len(batches)
+    threading.Timer(0.05, GATE.set).start()  # the read below waits for the gate, then for every update
+    return metric
+
+
+def _plain(batches):
+    plain = Gated()
+    for batch in [torch.ones(5), *batches]:
+        plain.update(batch)
+    return plain
+
+
+READS = {
+    "compute": lambda m: m.compute(),
+    "forward": lambda m: (m(torch.full((5,), 2.0)), m.compute()),
+    "reset": lambda m: (m.reset(), m.total, list(m.values), m.update_count)[1:],
+    "state_dict": lambda m: m.state_dict(),
+    "load_state_dict": lambda m: (
+        m.load_state_dict({"total": torch.tensor(7.0), "values": [torch.ones(2)]}),
+        m.compute(),
+    )[1],
+    "metric_state": lambda m: m.metric_state,
+    "a state attribute": lambda m: (m.total, list(m.values)),
+    "update_count": lambda m: torch.tensor(m.update_count),
+    "pickle": lambda m: pickle.loads(pickle.dumps(m)).compute(),
+    "deepcopy": lambda m: copy.deepcopy(m).compute(),
+    "clone": lambda m: m.clone().compute(),
+    "to float64": lambda m: (m.to(torch.float64), m.total, m.compute())[1:],
+}
+
+
+@pytest.mark.parametrize("read", READS)
+def test_every_read_sees_every_earlier_update(read):
+    batches = _batches()
+    metric = _queued(offload_to_cpu(Gated()), batches)
+    got = READS[read](metric)
+    assert _queue_of(metric).pending == 0
+    _assert_same(got, READS[read](_plain(batches)))
+
+
+def test_merge_state_sees_the_updates_of_both():
+    batches = _batches()
+    metric = _queued(offload_to_cpu(Gated()), batches)
+    other = offload_to_cpu(Gated())
+    other.update(torch.full((5,), 3.0))
+    metric.merge_state(other)
+    plain = _plain(batches)
+    plain_other = Gated()
+    plain_other.update(torch.full((5,), 3.0))
+    plain.merge_state(plain_other)
+    _assert_same(metric.compute(), plain.compute())
+    metric.merge_state(plain_other)  # a plain Metric of the same class merges too
+    plain.merge_state(plain_other)
+    _assert_same(metric.compute(), plain.compute())
+
+
+def test_update_takes_the_inputs_as_they_are_at_the_call():
+    metric, plain = offload_to_cpu(CatMetric()), CatMetric()
+    x = torch.arange(5.0)
+    metric.update(x)
+    plain.update(x.clone())
+    x.add_(100)  # after the call: the offloaded Metric must not see it
+    _assert_same(metric.compute(), plain.compute())
+
+
+def test_update_returns_at_once_and_the_worker_runs_the_updates_in_order():
+    metric = offload_to_cpu(CatMetric(), max_pending=64)
+    metric.update(torch.tensor([0.0]))
+    metric.compute()
+    gated = offload_to_cpu(Gated(), max_pending=64)
+    gated.update(torch.ones(1))  # the first update runs a trial at once: the gate must be open for it
+    gated.compute()
+    GATE.clear()
+    gated.update(torch.ones(1))  # holds the worker: the updates below wait behind it, in order
+    for i in range(1, 50):
+        metric.update(torch.tensor([float(i)]))
+    assert _queue_of(metric).pending == 49
+    GATE.set()
+    assert torch.equal(metric.compute(), torch.arange(50.0))
+
+
+def test_every_state_lives_on_the_cpu_whatever_the_module_does():
+    metric, plain = offload_to_cpu(BinaryAUROC(thresholds=None)), BinaryAUROC(thresholds=None)
+    preds, target = binary(0, 50)
+    metric.update(preds, target)
+    plain.update(preds, target)
+    metric.to("meta")  # a device that is not the CPU: the states stay, and so does the Metric's device
+    metric.half()
+    assert metric.device == torch.device("cpu")
+    assert all(t.device.type == "cpu" for t in [*metric.preds, *metric.target])
+    for m in (metric, plain):
+        m.set_dtype(torch.float64)
+    assert [t.dtype for t in metric.preds] == [t.dtype for t in plain.preds] == [torch.float64]
+    _assert_same(metric.compute(), plain.compute())
+
+
+def test_dtype_conversions_follow_torchmetrics():
+    metric, plain = offload_to_cpu(MulticlassConfusionMatrix(num_classes=3)), MulticlassConfusionMatrix(num_classes=3)
+    for m in (metric, plain):
+        m.update(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 2, 2, 1]))
+    for convert in (lambda m: m.to(torch.float64), lambda m: m.half(), lambda m: m.set_dtype(torch.float16)):
+        convert(metric)
+        convert(plain)
+        assert metric.confmat.dtype == plain.confmat.dtype
+        _assert_same(metric.compute(), plain.compute())
+
+
+@pytest.mark.parametrize("name", sorted(set(WRAPPERS) - {"BootStrapper"}))
+def test_wrappers_and_collections_give_the_plain_values(name):
+    make, _ = WRAPPERS[name]
+    batches = [(seed, 6) for seed in range(4)]
+    offloaded = offload_to_cpu(make())
+    _assert_same(run_wrapper(name, offloaded, batches), run_wrapper(name, make(), batches))
+    assert all(
+        t.device.type == "cpu" for m in offloaded.modules() if isinstance(m, Metric) for t in flatten(m.metric_state)
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENT_METRICS))
+def test_metrics_keeping_one_element_per_item_give_the_plain_values(name):
+    make, data = ELEMENT_METRICS[name]
+    offloaded, plain = offload_to_cpu(make()), make()
+    for seed in range(3):
+        items = data(seed, 4)
+        offloaded.update(items)
+        plain.update([t.clone() for t in items])
+    _assert_same(offloaded.compute(), plain.compute())
+
+
+def test_a_collection_with_compute_groups_updates_once_and_gives_the_plain_values():
+    def make():
+        return MetricCollection([BinaryAccuracy(), BinaryPrecision(), BinaryRecall()])
+
+    offloaded, plain = offload_to_cpu(make()), make()
+    for seed in range(4):
+        preds, target = binary(seed, 20)
+        _assert_same(offloaded(preds, target), plain(preds, target))
+        offloaded.update(preds, target)
+        plain.update(preds, target)
+    assert offloaded.compute_groups == plain.compute_groups
+    _assert_same(offloaded.compute(), plain.compute())
+    assert _queue_of(offloaded) is _queue_of(offloaded["BinaryAccuracy"])  # one queue for all
+
+
+def test_a_tracker_offloads_the_copies_it_makes():
+    tracker = offload_to_cpu(MetricTracker(MeanMetric(), maximize=True))
+    plain = MetricTracker(MeanMetric(), maximize=True)
+    for epoch in range(3):
+        for t in (tracker, plain):
+            t.increment()
+        for x in _batches(3, seed=epoch):
+            tracker.update(x)
+            plain.update(x)
+        _assert_same(tracker.compute(), plain.compute())
+    _assert_same(tracker.compute_all(), plain.compute_all())
+    assert _queue_of(tracker[-1]) is _queue_of(tracker)
+
+
+class Fails(Metric):
+    def __init__(self):
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, x: Tensor) -> None:
+        GATE.wait()
+        if x.sum() < 0:
+            raise ValueError("Expected non-negative values")
+        self.total += x.sum()
+
+    def compute(self) -> Tensor:
+        return self.total
+
+
+class _OwnError(Exception):
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(code, detail)
+
+
+class FailsOwnWay(Fails):
+    def update(self, x: Tensor) -> None:
+        if self.total > 0:
+            raise _OwnError(3, "no")
+        super().update(x)
+
+
+def test_an_update_that_raises_in_the_worker_raises_at_the_next_call_with_its_type_name_and_number():
+    metric = offload_to_cpu(Fails())
+    metric.update(torch.ones(2))
+    GATE.clear()  # the worker holds at the failing update: the two after it are queued before it raises
+    for x in (-torch.ones(2), torch.ones(2), torch.ones(2)):
+        metric.update(x)
+    GATE.set()
+    with pytest.raises(
+        ValueError, match=r"^Fails.update raised in lightning-store's offload worker, at update #2"
+    ) as err:
+        metric.compute()
+    message = str(err.value)
+    assert "Expected non-negative values" in message
+    assert "The 2 update(s) queued after it were not run" in message
+    assert isinstance(err.value.__cause__, ValueError) and str(err.value.__cause__) == "Expected non-negative values"
+    assert err.value.__cause__.__traceback__ is not None  # the worker's traceback, chained
+    # the state is the plain one after a failed update, and new updates run again
+    plain = Fails()
+    plain.update(torch.ones(2))
+    with pytest.raises(ValueError):
+        plain.update(-torch.ones(2))
+    _assert_same((metric.compute(), metric.update_count), (plain.compute(), plain.update_count))
+    metric.update(torch.ones(2))
+    plain.update(torch.ones(2))
+    _assert_same(metric.compute(), plain.compute())
+
+
+@pytest.mark.parametrize("call", ["update", "reset", "a state attribute"])
+def test_the_error_raises_from_any_next_call(call):
+    metric = offload_to_cpu(Fails())
+    metric.update(torch.ones(2))
+    metric.update(-torch.ones(2))
+    _get_worker().quiesce()  # it has raised in the worker
+    with pytest.raises(ValueError, match="at update #2"):
+        {
+            "update": lambda: metric.update(torch.ones(2)),
+            "reset": metric.reset,
+            "a state attribute": lambda: metric.total,
+        }[call]()
+    assert metric.compute() == 2.0  # raised once; the update refused with it was not queued
+
+
+def test_an_error_of_a_class_with_other_arguments_raises_as_it_was():
+    metric = offload_to_cpu(FailsOwnWay())
+    metric.update(torch.ones(2))
+    metric.update(torch.ones(2))
+    with pytest.raises(_OwnError) as err:
+        metric.compute()
+    assert err.value.args == (3, "no")
+
+
+def test_the_first_update_raises_at_the_call_as_the_plain_one():
+    metric = offload_to_cpu(Fails())
+    with pytest.raises(ValueError, match="^Expected non-negative values$"):  # its trial, on a copy, at the call
+        metric.update(-torch.ones(2))
+    assert metric.update_count == 0
+    metric.update(torch.ones(2))
+    assert metric.compute() == 2.0
+
+
+def test_backpressure_bounds_the_pending_updates_and_counts_the_wait():
+    metric = offload_to_cpu(Gated(), max_pending=2)
+    metric.update(torch.ones(1))
+    metric.compute()
+    GATE.clear()
+    threading.Timer(0.2, GATE.set).start()
+    started = time.perf_counter()
+    for _ in range(4):
+        metric.update(torch.ones(1))
+        assert _queue_of(metric).pending <= 2
+    waited = time.perf_counter() - started
+    queue = _queue_of(metric)
+    assert queue.waits >= 1 and 0 < queue.waited_s <= waited + 0.01
+    assert metric.compute() == 2 * 5  # (1 + 1) per update: its sum and its element
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        ("8", TypeError, "Expected max_pending to be an int, got '8' (str)."),
+        (True, TypeError, "Expected max_pending to be an int, got True (bool)."),
+        (2.0, TypeError, "Expected max_pending to be an int, got 2.0 (float)."),
+        (0, ValueError, "Expected max_pending to be positive, got 0."),
+        (-1, ValueError, "Expected max_pending to be positive, got -1."),
+    ],
+)
+def test_max_pending_is_validated(value, error, message):
+    with pytest.raises(error, match=f"^{message.replace('(', '[(]').replace(')', '[)]')} HINT: pass a number"):
+        offload_to_cpu(MeanMetric(), max_pending=value)
+
+
+def test_calling_it_again_sets_max_pending():
+    metric = offload_to_cpu(MeanMetric())
+    assert offload_to_cpu(metric, max_pending=3) is metric and _queue_of(metric).max_pending == 3
+
+
+class DrawsTorch(SumMetric):
+    def update(self, value: Tensor) -> None:
+        super().update(value + torch.rand(()))
+
+
+class DrawsPython(SumMetric):
+    def update(self, value: Tensor) -> None:
+        super().update(value + random.random())
+
+
+class DrawsNumPy(SumMetric):
+    def update(self, value: Tensor) -> None:
+        super().update(value + float(np.random.rand()))
+
+
+class OwnGenerator(SumMetric):
+    def __init__(self):
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(0)
+
+    def update(self, value: Tensor) -> None:
+        super().update(value + torch.rand((), generator=self.generator))
+
+
+@pytest.mark.parametrize("metric_class", [DrawsTorch, DrawsPython, DrawsNumPy])
+def test_a_metric_drawing_random_numbers_is_refused_before_its_first_update(metric_class):
+    metric = offload_to_cpu(metric_class())
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    with pytest.raises(ValueError, match=f"^offload_to_cpu[(][)] got a {metric_class.__name__} whose update draws"):
+        metric.update(torch.tensor(1.0))
+    after = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1])
+    assert torch.equal(before[0], after[0]) and before[1] == after[1] and np.array_equal(before[2], after[2])
+    assert metric.update_count == 0 and _queue_of(metric).pending == 0
+
+
+def test_a_metric_with_a_generator_of_its_own_is_offloaded():
+    metric, plain = offload_to_cpu(OwnGenerator()), OwnGenerator()
+    for value in range(3):
+        metric.update(torch.tensor(float(value)))
+        plain.update(torch.tensor(float(value)))
+    _assert_same(metric.compute(), plain.compute())
+
+
+def test_bootstrapper_is_refused_at_once():
+    with pytest.raises(ValueError, match=r"^offload_to_cpu\(\) got a BootStrapper: its update draws random numbers"):
+        offload_to_cpu(BootStrapper(MeanMetric()))
+    with pytest.raises(ValueError, match=r"got a BootStrapper \(inside the MetricCollection given\)"):
+        offload_to_cpu(MetricCollection({"boot": BootStrapper(MeanMetric())}))
+
+
+def test_what_cannot_be_offloaded_is_refused_with_a_hint():
+    with pytest.raises(TypeError, match=r"^offload_to_cpu\(\) got the class BinaryAUROC itself.*HINT: call the class"):
+        offload_to_cpu(BinaryAUROC)
+    with pytest.raises(TypeError, match=r"^offload_to_cpu\(\) takes a torchmetrics Metric.*got torch.nn.modules.linear.Linear. HINT"):
+        offload_to_cpu(torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match=r"given to store_states_on_cpu.*HINT: drop store_states_on_cpu"):
+        offload_to_cpu(store_states_on_cpu(BinaryAUROC(thresholds=None)))
+    with pytest.raises(ValueError, match=r"with dist_sync_fn=.*HINT: drop dist_sync_fn"):
+        offload_to_cpu(MeanMetric(dist_sync_fn=lambda t, group=None: [t]))
+    inner = offload_to_cpu(MeanMetric())
+    with pytest.raises(ValueError, match=r"holding a MeanMetric offloaded on its own.*HINT: offload only"):
+        offload_to_cpu(MetricCollection({"mean": inner}))
+
+
+def test_store_states_on_cpu_leaves_an_offloaded_metric_as_it_is():
+    metric = offload_to_cpu(BinaryAUROC(thresholds=None))
+    assert store_states_on_cpu(metric) is metric
+    assert type(metric).__mro__[1].__name__ == "_OffloadedMetric"
+    assert metric.dist_sync_fn is gather_on_device
+
+
+def test_one_worker_thread_runs_every_offloaded_metric():
+    metrics = [offload_to_cpu(MeanMetric()) for _ in range(5)]
+    for m in metrics:
+        m.update(torch.tensor(1.0))
+    assert [m.compute() for m in metrics] == [1.0] * 5
+    names = [t.name for t in threading.enumerate() if t.name == "lightning-store-offload"]
+    assert names == ["lightning-store-offload"] and _get_worker().thread.daemon
+
+
+def test_torchscript_scripts_the_offloaded_metric_as_the_plain_one():
+    metric, plain = offload_to_cpu(BinaryAccuracy()), BinaryAccuracy()
+    preds, target = binary(0, 20)
+    metric.update(preds, target)
+    plain.update(preds, target)
+    scripted, scripted_plain = torch.jit.script(metric), torch.jit.script(plain)
+    assert torch.equal(scripted.tp, scripted_plain.tp)  # the states as they were, every update landed
+
+
+def test_the_worker_runs_an_update_with_the_callers_number_of_torch_threads():
+    x = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))  # large enough to split a sum
+    offloaded, plain = offload_to_cpu(SumMetric()), SumMetric()
+    threads = torch.get_num_threads()
+    try:
+        for count in (threads, 1, threads):  # as Lightning's DDP launcher sets it when the fit starts
+            torch.set_num_threads(count)
+            for m in (offloaded, plain):
+                m.update(x)
+            _assert_same(offloaded.compute(), plain.compute())
+    finally:
+        torch.set_num_threads(threads)

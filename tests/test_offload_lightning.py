@@ -1,0 +1,166 @@
+"""Offloaded Metrics in a Lightning fit: logged as the plain ones, bit for bit, checkpointed both ways, reported."""
+
+import warnings
+
+import pytorch_lightning as pl
+import torch
+from _metrics import flatten
+from _support import RecordingLogger, assert_same
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryPrecision, BinaryRecall
+
+import lightning_store
+from lightning_store import offload_to_cpu, storage_report
+from lightning_store.metrics._offloaded import _is_offloaded, _queue_of
+
+
+def _data(seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(24, 4, generator=generator)
+    y = (x.sum(dim=1) + torch.randn(24, generator=generator) > 0).long()
+    return DataLoader(TensorDataset(x, y), batch_size=6)
+
+
+class MetricsModel(pl.LightningModule):
+    """Every way a Metric object is logged: on_step through ``forward``, on_epoch after ``update``, a collection."""
+
+    def __init__(self, offload: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+        self.auroc = BinaryAUROC(thresholds=None)
+        self.step_mean = MeanMetric()
+        self.scores = MetricCollection([BinaryAccuracy(), BinaryPrecision(), BinaryRecall()], prefix="val_")
+        self.auroc.persistent(True)
+        if offload:
+            for metric in (self.auroc, self.step_mean, self.scores):
+                offload_to_cpu(metric)
+        self.reports: list = []
+
+    def forward(self, x):
+        return self.layer(x).squeeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y.float())
+        self.auroc.update(logits.sigmoid().detach(), y)
+        self.step_mean(loss.detach())  # forward: the batch value, logged on the step
+        self.log("auroc", self.auroc, on_step=False, on_epoch=True)
+        self.log("step_mean", self.step_mean, on_step=True, on_epoch=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.reports.append(storage_report(self.trainer))
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.scores.update(self(x).sigmoid(), y)
+        self.log_dict(self.scores)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _same_states(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        left, right = flatten(a[key]), flatten(b[key])
+        assert len(left) == len(right) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(left, right))
+
+
+def _trainer(tmp_path, **kwargs):
+    defaults = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 2,
+        "logger": RecordingLogger(),
+        "log_every_n_steps": 1,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+    }
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def _fit(tmp_path, offload, **kwargs):
+    model, trainer = MetricsModel(offload), _trainer(tmp_path, **kwargs)
+    trainer.fit(model, _data(), _data(1))
+    return model, trainer
+
+
+def test_logged_values_are_the_plain_ones_bit_for_bit(tmp_path):
+    offloaded, trainer = _fit(tmp_path / "offloaded", offload=True)
+    _, plain = _fit(tmp_path / "plain", offload=False)
+    assert_same(trainer.callback_metrics, plain.callback_metrics)
+    assert len(trainer.logger.history) == len(plain.logger.history) > 8
+    for (step, logged), (plain_step, plain_logged) in zip(trainer.logger.history, plain.logger.history, strict=True):
+        assert step == plain_step
+        assert_same(logged, plain_logged)
+    assert offloaded.scores.compute_groups == {0: ["BinaryAccuracy", "BinaryPrecision", "BinaryRecall"]}
+    assert all(_is_offloaded(m) for m in (offloaded.auroc, offloaded.step_mean, offloaded.scores))
+
+
+def test_storage_report_shows_each_offloaded_metric(tmp_path):
+    model, _ = _fit(tmp_path, offload=True, max_epochs=1)
+    rows = {row.name: row for row in model.reports[-1]}
+    auroc = rows["auroc"]
+    assert (auroc.kind, auroc.offloaded, auroc.store_on_cpu, auroc.device) == ("BinaryAUROC", True, True, "cpu")
+    assert auroc.bytes == 24 * (4 + 8)  # 24 float32 predictions and int64 targets, every update in
+    assert 0 <= auroc.pending_updates <= _queue_of(model.auroc).max_pending
+    assert auroc.waited_s == _queue_of(model.auroc).waited_s >= 0.0
+    plain_rows = {row.name: row for row in _fit(tmp_path / "plain", offload=False, max_epochs=1)[0].reports[-1]}
+    assert not plain_rows["auroc"].offloaded and plain_rows["auroc"].bytes == auroc.bytes
+
+
+def test_a_checkpoint_of_an_offloaded_module_loads_into_a_plain_one_and_back(tmp_path):
+    offloaded, trainer = _fit(tmp_path, offload=True, max_epochs=1)
+    for seed in range(3):  # after the fit, which reset it: queued when the checkpoint is saved
+        offloaded.auroc.update(torch.rand(4, generator=torch.Generator().manual_seed(seed)), torch.tensor([0, 1, 1, 0]))
+    path = tmp_path / "offloaded.ckpt"
+    trainer.save_checkpoint(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = MetricsModel.load_from_checkpoint(path, offload=False)
+        again = MetricsModel.load_from_checkpoint(path, offload=True)
+    _same_states(plain.auroc.metric_state, offloaded.auroc.metric_state)
+    assert len(plain.auroc.preds) == 3
+    _same_states(again.auroc.metric_state, plain.auroc.metric_state)
+    assert _is_offloaded(again.auroc) and again.auroc.preds[0].device.type == "cpu"
+    plain_path = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": plain.state_dict()}, plain_path)
+    back = MetricsModel(offload=True)
+    back.load_state_dict(torch.load(plain_path)["state_dict"])
+    _same_states(back.auroc.metric_state, plain.auroc.metric_state)
+    assert torch.equal(back.auroc.compute(), plain.auroc.compute())
+
+
+def test_validate_then_fit_gives_the_plain_values(tmp_path):
+    results = []
+    for offload in (True, False):
+        model, trainer = MetricsModel(offload), _trainer(tmp_path / str(offload), max_epochs=1)
+        validated = trainer.validate(model, _data(1), verbose=False)
+        trainer.fit(model, _data(), _data(1))
+        results.append((validated, dict(trainer.callback_metrics)))
+    (validated, fitted), (plain_validated, plain_fitted) = results
+    assert validated == plain_validated
+    assert_same(fitted, plain_fitted)
+
+
+def test_the_1x_flag_leaves_an_offloaded_metric_as_it_is(tmp_path):
+    model = MetricsModel(offload=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", lightning_store.StoreOnCPUDeprecationWarning)
+        trainer = lightning_store.Trainer(
+            move_metrics_to_cpu=True,
+            **{"accelerator": "cpu", "devices": 1, "max_epochs": 1, "logger": False, "default_root_dir": tmp_path},
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+    trainer.fit(model, _data(), _data(1))
+    _, plain = _fit(tmp_path / "plain", offload=False, max_epochs=1)
+    assert type(model.auroc).__mro__[1].__name__ == "_OffloadedMetric"  # not configured a second time
+    assert_same(trainer.callback_metrics, plain.callback_metrics)

@@ -1,0 +1,134 @@
+"""The offload worker's life in a process: started lazily, one for all, safe across fork, gone promptly at exit."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from _support import HANG_S
+
+PRELUDE = """
+import os, pickle, sys, threading, time
+import torch
+from torchmetrics import CatMetric, Metric, SumMetric
+from lightning_store import offload_to_cpu
+from lightning_store.metrics import _worker
+
+
+class Slow(SumMetric):
+    def update(self, value):
+        time.sleep(float(os.environ.get("SLOW_S", "0.05")))
+        super().update(value)
+"""
+
+
+def _run(body: str, **env: str) -> subprocess.CompletedProcess:
+    script = PRELUDE + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        env={**__import__("os").environ, **env},
+    )
+
+
+def _ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_the_worker_starts_at_the_first_update_only():
+    out = _ok(
+        _run("""
+        metric = offload_to_cpu(CatMetric())
+        print(_worker._get_worker().thread is None, _worker._registered)
+        metric.update(torch.tensor([1.0]))
+        print(_worker._get_worker().thread.name, _worker._registered, metric.compute().sum().item())
+        """)
+    )
+    assert out.split("\n")[:2] == ["True False", "lightning-store-offload True 1.0"]
+
+
+def test_dataloader_workers_forked_with_updates_queued_do_not_deadlock():
+    out = _ok(
+        _run("""
+        from torch.utils.data import DataLoader
+        metric, plain = offload_to_cpu(Slow(), max_pending=64), SumMetric()
+        metric.update(torch.tensor(0.0))
+        for value in range(1, 21):
+            metric.update(torch.tensor(float(value)))
+            plain.update(torch.tensor(float(value)))
+        print("pending at the fork", metric._offload.pending > 0)
+        loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, multiprocessing_context="fork")
+        for epoch in range(2):  # two forks
+            seen = [int(x) for batch in loader for x in batch]
+            metric.update(torch.tensor(float(epoch)))
+            plain.update(torch.tensor(float(epoch)))
+        print(seen == list(range(8)), bool(metric.compute() == plain.compute()))
+        """)
+    )
+    assert out.split("\n")[:2] == ["pending at the fork True", "True True"]
+
+
+def test_a_forked_child_has_a_worker_of_its_own():
+    out = _ok(
+        _run("""
+        metric = offload_to_cpu(Slow(), max_pending=64)
+        for value in range(10):
+            metric.update(torch.tensor(float(value)))
+        pid = os.fork()
+        if pid == 0:  # the child: every update queued before the fork is in its state, and new ones run here
+            metric.update(torch.tensor(100.0))
+            os._exit(0 if float(metric.compute()) == 145.0 else 3)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), float(metric.compute()))
+        """)
+    )
+    assert out.split("\n")[0] == "0 45.0"
+
+
+def test_the_process_exits_promptly_with_updates_pending():
+    started = time.perf_counter()
+    result = _run(
+        """
+        metric = offload_to_cpu(Slow(), max_pending=1000)
+        for value in range(200):  # 100 s of updates
+            metric.update(torch.tensor(float(value)))
+        print("queued", metric._offload.pending, flush=True)
+        print("exit at", time.perf_counter(), flush=True)
+        """,
+        SLOW_S="0.5",
+    )
+    ended = time.perf_counter()
+    out = _ok(result)
+    assert out.startswith("queued ") and int(out.split()[1]) > 150
+    assert result.stderr == ""  # no traceback
+    assert ended - started < 60  # not the 100 s the queue holds (the interpreter's start is most of it)
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_an_offloaded_metric_unpickled_in_a_fresh_process_runs_there(tmp_path, queued):
+    path = tmp_path / "metric.pkl"
+    _ok(
+        _run(f"""
+        metric = offload_to_cpu(Slow())
+        for value in range(5):
+            metric.update(torch.tensor(float(value)))
+        if not {queued}:
+            metric.compute()
+        with open({str(path)!r}, "wb") as f:
+            pickle.dump(metric, f)  # waits for the queued updates
+        """)
+    )
+    out = _ok(
+        _run(f"""
+        with open({str(path)!r}, "rb") as f:
+            metric = pickle.load(f)
+        print(type(metric).__mro__[1].__name__, float(metric.compute()), _worker._get_worker().thread is None)
+        metric.update(torch.tensor(10.0))
+        print(float(metric.compute()), _worker._get_worker().thread is not None)
+        """)
+    )
+    assert out.split("\n")[:2] == ["_OffloadedMetric 10.0 True", "20.0 True"]
