@@ -110,8 +110,14 @@ READS = {
 }
 
 
+HAS_METRIC_STATE = hasattr(Metric, "metric_state")  # torchmetrics >= 1.1, as `merge_state`
+NEEDS_MERGE_STATE = pytest.mark.skipif(not HAS_METRIC_STATE, reason="torchmetrics < 1.1 has no merge_state")
+
+
 @pytest.mark.parametrize("read", READS)
 def test_every_read_sees_every_earlier_update(read):
+    if read == "metric_state" and not HAS_METRIC_STATE:
+        pytest.skip("torchmetrics < 1.1 has no metric_state: the plain Metric has no such read")
     batches = _batches()
     metric = _queued(offload_to_cpu(Gated()), batches)
     got = READS[read](metric)
@@ -119,6 +125,7 @@ def test_every_read_sees_every_earlier_update(read):
     _assert_same(got, READS[read](_plain(batches)))
 
 
+@NEEDS_MERGE_STATE
 def test_merge_state_sees_the_updates_of_both():
     batches = _batches()
     metric = _queued(offload_to_cpu(Gated()), batches)
@@ -193,7 +200,10 @@ def test_wrappers_and_collections_give_the_plain_values(name):
     offloaded = offload_to_cpu(make())
     _assert_same(run_wrapper(name, offloaded, batches), run_wrapper(name, make(), batches))
     assert all(
-        t.device.type == "cpu" for m in offloaded.modules() if isinstance(m, Metric) for t in flatten(m.metric_state)
+        t.device.type == "cpu"
+        for m in offloaded.modules()
+        if isinstance(m, Metric)
+        for t in flatten([getattr(m, name) for name in m._defaults])
     )
 
 
@@ -413,7 +423,9 @@ def test_bootstrapper_is_refused_at_once():
 def test_what_cannot_be_offloaded_is_refused_with_a_hint():
     with pytest.raises(TypeError, match=r"^offload_to_cpu\(\) got the class BinaryAUROC itself.*HINT: call the class"):
         offload_to_cpu(BinaryAUROC)
-    with pytest.raises(TypeError, match=r"^offload_to_cpu\(\) takes a torchmetrics Metric.*got torch.nn.modules.linear.Linear. HINT"):
+    with pytest.raises(
+        TypeError, match=r"^offload_to_cpu\(\) takes a torchmetrics Metric.*got torch.nn.modules.linear.Linear. HINT"
+    ):
         offload_to_cpu(torch.nn.Linear(1, 1))
     with pytest.raises(ValueError, match=r"given to store_states_on_cpu.*HINT: drop store_states_on_cpu"):
         offload_to_cpu(store_states_on_cpu(BinaryAUROC(thresholds=None)))
@@ -461,3 +473,44 @@ def test_the_worker_runs_an_update_with_the_callers_number_of_torch_threads():
             _assert_same(offloaded.compute(), plain.compute())
     finally:
         torch.set_num_threads(threads)
+
+
+def test_an_update_runs_in_the_callers_inference_mode():
+    metric, plain = offload_to_cpu(SumMetric()), SumMetric()
+    with torch.inference_mode():  # as Lightning's evaluation loops: a state reset here is an inference tensor
+        for m in (metric, plain):
+            m.update(torch.tensor(1.0))
+            m.reset()
+            m.update(torch.tensor(2.0))  # changes it in place: only inference mode may
+            m.update(torch.tensor(3.0))
+        _assert_same(metric.compute(), plain.compute())
+
+
+class _Uncopyable:
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot copy this")
+
+
+class Uncopyable(SumMetric):
+    def __init__(self, draws: bool = False):
+        super().__init__()
+        self.handle = _Uncopyable()  # as a `torch.Generator` on torch < 2.4
+        self.draws = draws
+
+    def update(self, value: Tensor) -> None:
+        super().update(value + (torch.rand(()) if self.draws else 0))
+
+
+def test_a_metric_that_cannot_be_copied_runs_its_first_update_at_the_call():
+    metric, plain = offload_to_cpu(Uncopyable()), Uncopyable()
+    for value in range(4):
+        metric.update(torch.tensor(float(value)))
+        plain.update(torch.tensor(float(value)))
+    _assert_same(metric.compute(), plain.compute())
+    drawing = offload_to_cpu(Uncopyable(draws=True))
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="This first update was applied, in the caller's thread. HINT: keep"):
+        drawing.update(torch.tensor(1.0))
+    torch.manual_seed(0)
+    expected = torch.tensor(1.0) + torch.rand(())  # the plain update's random number, drawn when it was
+    assert torch.equal(drawing.compute(), expected)

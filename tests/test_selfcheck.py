@@ -423,6 +423,7 @@ def test_help_documents_json_and_the_exit_status(capsys):
     assert "--json PATH" in text and "'-' writes them to stdout" in text
     assert "exit status: 0 every check that ran passed 1 a check failed 2 a usage error," in text
     assert "The fits ignore PL_TRAINER_* defaults (the report lists them)." in text
+    assert "Metrics given to store_states_on_cpu and offload_to_cpu are checked against the plain ones" in text
 
 
 EXIT_STATUS_TABLE = [

@@ -37,8 +37,10 @@ def _queue_update(obj: Module, update: Callable, args: tuple, kwargs: dict) -> N
     """Start copying the inputs to the CPU and queue ``update`` on them, for the worker (the caller never waits)."""
     queue = cast(_UpdateQueue, _queue_of(obj))
     if not queue.probed:
-        _refuse_random_numbers(obj, args, kwargs)
+        ran = _refuse_random_numbers(obj, args, kwargs)
         queue.probed = True
+        if ran:  # it could not be copied: its first update ran here
+            return
     started = _start_copies(args, kwargs)
     queue.submit(functools.partial(_run_landed, update, started))
 
@@ -139,6 +141,8 @@ class _OffloadedMetric(Metric):
         self.cpu()
 
     def _apply(self, fn: Callable, exclude_state: Any = "") -> Module:
+        if _moves_nothing(fn):  # a move to a device (Lightning's on every `self.log`): the states stay as they are
+            return self
         _settle(self)
         # `keep` shows `fn` in its repr, from which torchmetrics tells a `.half()` from a `.to()`
         keep = functools.partial(_kept_on_cpu, fn, {})
@@ -159,7 +163,9 @@ class _OffloadedContainer(Module):
     _offload: _UpdateQueue
 
     def __getattribute__(self, name: str) -> Any:
-        if name in _COLLECTION_BOOKKEEPING:
+        # a collection's first update forms its compute groups; after it, what the collection's own bookkeeping
+        # leads to (the states it shares in a group) is read through the Metrics, which wait for their queue
+        if name in _COLLECTION_BOOKKEEPING and not object.__getattribute__(self, "__dict__").get("_groups_checked"):
             _settle(self)
         return object.__getattribute__(self, name)
 
@@ -178,6 +184,24 @@ class _OffloadedContainer(Module):
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         _settle(self)
         return _rebuild, (_bases[type(self)],), self.__getstate__()
+
+
+_PROBED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
+
+
+def _moves_nothing(fn: Callable) -> bool:
+    """Whether ``fn`` would leave an offloaded Metric as it is: a move to a device, or one to the CPU it is on.
+
+    Asked of empty tensors, which copies or syncs nothing; an ``fn`` that changes any dtype, or makes a new CPU
+    tensor (``to_empty``), is applied. Without waiting for the queue: Lightning moves a logged Metric to the
+    device of the step on every ``self.log``.
+    """
+    for dtype in _PROBED_DTYPES:
+        probe = torch.empty(0, dtype=dtype)
+        moved = fn(probe)
+        if moved.dtype != dtype or (moved.device == _CPU and moved is not probe):
+            return False
+    return True
 
 
 def _kept_on_cpu(fn: Callable, probes: dict[torch.dtype, Tensor], tensor: Tensor) -> Tensor:

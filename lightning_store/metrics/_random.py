@@ -37,27 +37,38 @@ def _same(before: list[Any], after: list[Any]) -> bool:
     return True
 
 
-def _refuse_random_numbers(obj: Module, args: tuple, kwargs: dict) -> None:
+def _refuse_random_numbers(obj: Module, args: tuple, kwargs: dict) -> bool:
     """Run the first update on a copy of ``obj``, here and now; raise if it drew random numbers.
 
     Run later, in the worker, such an update would draw at another point of the random stream than the plain
     Metric does, and move the stream the model draws from: both would silently change. The copy's update leaves
     every generator as it was. An error the update raises is raised here, at the call, as the plain Metric's.
+
+    A Metric that cannot be copied (one holding a ``torch.Generator`` on torch < 2.4, say) runs its first update
+    itself, here, as the plain Metric would: the random numbers are then the plain ones, and the error, if it drew
+    any, says that this update was applied. Returns whether it ran so.
     """
-    trial = copy.deepcopy(obj)
+    try:
+        trial = copy.deepcopy(obj)
+    except Exception:
+        trial = None
     before = _generator_states()
+    restore = trial is not None
     try:
         with _Inline():
             args, kwargs = _cloned_on_cpu(args, kwargs)
-            trial.update(*args, **kwargs)  # type: ignore[operator]
+            (trial if trial is not None else obj).update(*args, **kwargs)  # type: ignore[operator]
         drew = not _same(before, _generator_states())
     finally:
-        _set_generator_states(before)
+        if restore:
+            _set_generator_states(before)
     if drew:
         name = type(obj).__name__
+        applied = "" if trial is not None else " This first update was applied, in the caller's thread."
         raise ValueError(
             f"offload_to_cpu() got a {name} whose update draws random numbers from a global generator (torch's,"
             " Python's or NumPy's): run in the background, it would draw them at another time than the plain"
-            f" Metric, changing both its values and the random numbers your model draws. HINT: keep the {name} as"
-            " it is (not offloaded), or give its update a `torch.Generator` of its own, seeded once."
+            f" Metric, changing both its values and the random numbers your model draws.{applied} HINT: keep the"
+            f" {name} as it is (not offloaded), or give its update a `torch.Generator` of its own, seeded once."
         )
+    return trial is None

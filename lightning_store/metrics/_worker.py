@@ -30,18 +30,23 @@ class _Inline:
 class _Job:
     """One queued call: ``run()`` on a Metric's queue, numbered in that queue's order.
 
-    It keeps the caller's number of torch threads: torch fixes a thread's own when it first runs a parallel op, and
-    a reduction split over another number of threads adds in another order (Lightning's DDP launcher, say, calls
-    ``torch.set_num_threads`` when the fit starts). The worker runs the job with the caller's.
+    It keeps what of the caller's thread torch keeps per thread, and the worker runs the job with it:
+    - the number of torch threads: torch fixes a thread's own when it first runs a parallel op, and a reduction
+      split over another number of threads adds in another order (Lightning's DDP launcher, say, calls
+      ``torch.set_num_threads`` when the fit starts);
+    - grad and inference mode: Lightning's evaluation loops run under ``torch.inference_mode()``, where a state
+      reset there becomes an inference tensor, which only inference mode may change in place.
     """
 
-    __slots__ = ("number", "queue", "run", "threads")
+    __slots__ = ("grad", "inference", "number", "queue", "run", "threads")
 
     def __init__(self, queue: Any, number: int, run: Callable[[], None]) -> None:
         self.queue = queue
         self.number = number
         self.run = run
         self.threads = torch.get_num_threads()
+        self.grad = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
 
 
 class _Worker:
@@ -88,7 +93,8 @@ class _Worker:
             try:
                 if torch.get_num_threads() != job.threads:
                     torch.set_num_threads(job.threads)
-                job.queue.run(job)
+                with torch.inference_mode(job.inference), torch.set_grad_enabled(job.grad):
+                    job.queue.run(job)
             finally:
                 with self.lock:
                     self.busy = False
