@@ -2,9 +2,11 @@
 
 Every figure is a ratio, offloaded to plain, measured side by side in one run: the ways run in a shuffled order in
 each round, each round gives one ratio, and the script prints the median ratio over rounds with its interquartile
-range (the machine's noise). The whole process runs at ``--threads`` intra-op threads (default 1; the worker thread
-of ``offload_to_cpu`` uses the same number). Every offloaded Metric's value is checked equal (``torch.equal``) to
-that of the same Metric run plainly on the same inputs; a mismatch is printed and the script exits with 1.
+range (the machine's noise). Before anything, 30 MiB is allocated and freed (see ``_warm_up_allocator``), so that no
+part's figures depend on the parts run before it. The whole process runs at ``--threads`` intra-op threads (default
+1; the worker thread of ``offload_to_cpu`` uses the same number). Every offloaded Metric's value is checked equal
+(``torch.equal``) to that of the same Metric run plainly on the same inputs; a mismatch is printed and the script
+exits with 1.
 
 1. CPU, heavy Metric: the caller's time in ``update`` for ``BinaryAUROC(thresholds=200)`` and
    ``MulticlassConfusionMatrix(num_classes=1000)`` at 100,000 and 1,000,000 predictions per batch, against the
@@ -18,7 +20,8 @@ that of the same Metric run plainly on the same inputs; a mismatch is printed an
 2. CPU, a training loop: a small MLP's forward, backward and SGD step, with ``BinaryAUROC(thresholds=200)``
    updated on its predictions after the forward; sizes such that the update is about half of the inline step.
    The loop's wall time, ``compute`` at the end included, offloaded (default ``max_pending``) against inline.
-   With one thread for the model, the worker has the second core to itself. Goal: at most 0.75.
+   With one thread for the model, the worker has the second core to itself. The notes give the step without
+   ``update`` both ways: the worker shares the process (the GIL, the allocator) with it. Goal: at most 0.75.
 3. CPU, a tiny Metric: ``MeanMetric`` of a scalar, µs per ``update`` plain and offloaded, the caller's and in all
    (the updates and ``compute``, which waits for the worker): what offloading costs where there is nothing to save.
 4. GPU (only with CUDA): (a) the host syncs per ``update`` of an offloaded ``BinaryAUROC(thresholds=200)`` fed
@@ -332,14 +335,16 @@ GPU_WIDTH, GPU_DEPTH, GPU_BATCH = 2048, 4, 4096
 GPU_SYNC_UPDATES, GPU_STEPS = 50, 30  # GPU_STEPS: 2 pinned buffers a step, all in flight, within the pool of 64
 
 
-def gpu(report: Report, rounds: int, quick: bool) -> None:
-    device = torch.device("cuda", torch.cuda.current_device())
+def gpu(report: Report, rounds: int, quick: bool, device: torch.device) -> None:
     generator = torch.Generator(device=device).manual_seed(3)
 
     # (a), (b): syncs and device bytes of an offloaded BinaryAUROC fed CUDA tensors
     n = 10_000 if quick else 100_000
     batches = [
-        (torch.rand(n, device=device, generator=generator), torch.randint(0, 2, (n,), device=device, generator=generator))
+        (
+            torch.rand(n, device=device, generator=generator),
+            torch.randint(0, 2, (n,), device=device, generator=generator),
+        )
         for _ in range(8)
     ]
     metric = offload_to_cpu(BinaryAUROC(thresholds=200)).to(device)  # as a LightningModule's `.to()` moves it
@@ -424,10 +429,10 @@ def gpu(report: Report, rounds: int, quick: bool) -> None:
         checked.update(preds, target)
         oracle.update(preds.cpu(), target.cpu())
     report.check("GPU, MulticlassConfusionMatrix", checked.compute(), oracle.compute())
+    waits = ways["default"]._offload.waits - waits
     report.notes.append(
         f"GPU (c): MLP {depth} x {width}, batch {batch}, {steps} steps a timed loop; the update copies"
-        f" {2 * preds_n * 8 / 2**20:.0f} MiB to the host a step; max_pending=8: {ways['default']._offload.waits - waits}"
-        f" waits in {rounds * steps} steps"
+        f" {2 * preds_n * 8 / 2**20:.0f} MiB to the host a step; max_pending=8: {waits} waits in {rounds * steps} steps"
     )
 
 
@@ -485,7 +490,7 @@ def main() -> None:
         tiny(report, rounds, 200 if args.quick else 2000)
     if "gpu" in args.parts:
         if torch.cuda.is_available():
-            gpu(report, rounds, args.quick)
+            gpu(report, rounds, args.quick, torch.device("cuda", torch.cuda.current_device()))
         else:
             report.notes.append(f"GPU part skipped: torch.cuda.is_available() is False (torch {torch.__version__})")
     print_table(report)

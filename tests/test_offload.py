@@ -327,7 +327,7 @@ def test_an_error_of_a_class_with_other_arguments_raises_as_it_was():
 
 def test_the_first_update_raises_at_the_call_as_the_plain_one():
     metric = offload_to_cpu(Fails())
-    with pytest.raises(ValueError, match="^Expected non-negative values$"):  # its trial, on a copy, at the call
+    with pytest.raises(ValueError, match=r"^Expected non-negative values$"):  # its trial, on a copy, at the call
         metric.update(-torch.ones(2))
     assert metric.update_count == 0
     metric.update(torch.ones(2))
@@ -509,7 +509,7 @@ def test_a_metric_that_cannot_be_copied_runs_its_first_update_at_the_call():
     _assert_same(metric.compute(), plain.compute())
     drawing = offload_to_cpu(Uncopyable(draws=True))
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match="This first update was applied, in the caller's thread. HINT: keep"):
+    with pytest.raises(ValueError, match=r"This first update was applied, in the caller's thread\. HINT: keep"):
         drawing.update(torch.tensor(1.0))
     torch.manual_seed(0)
     expected = torch.tensor(1.0) + torch.rand(())  # the plain update's random number, drawn when it was

@@ -71,7 +71,9 @@ def _same_states(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for key in a:
         left, right = flatten(a[key]), flatten(b[key])
-        assert len(left) == len(right) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(left, right))
+        assert len(left) == len(right) and all(
+            x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(left, right, strict=True)
+        )
 
 
 def _trainer(tmp_path, **kwargs):
