@@ -4,8 +4,7 @@ from lightning_store._compat import _check_lightning_version
 
 _check_lightning_version("pytorch-lightning")  # before Lightning is imported: outside the range it may not import
 
-from lightning_store.metric_states import gather_on_device, store_states_on_cpu
-from lightning_store.metrics import offload_to_cpu
+from lightning_store.metrics import gather_on_device, offload_to_cpu, store_states_on_cpu
 from lightning_store.mixin import StoreOnCPUMixin
 from lightning_store.report import KeyStorage, format_storage_report, storage_report
 from lightning_store.trainer import Trainer

@@ -9,9 +9,9 @@ from torchmetrics import Metric
 
 from lightning_store._collection import _install_on
 from lightning_store._policy import _as_bool, _type_name
-from lightning_store._states import _owns_list_states
-from lightning_store.metric_states import _ACCEPTED, _configure_together, _is_gather_on_device, _stores_states_on_cpu
 from lightning_store.metrics._offloaded import _is_offloaded
+from lightning_store.metrics._states import _owns_list_states
+from lightning_store.metrics.states import _ACCEPTED, _configure_together, _is_gather_on_device, _stores_states_on_cpu
 from lightning_store.warnings import _warn_once, _warn_once_at
 
 OPT_OUT = "move_metrics_to_cpu"  # `metric.move_metrics_to_cpu = False` leaves a Metric (or a collection) alone

@@ -10,8 +10,8 @@ from torchmetrics import Metric
 
 from lightning_store._collection import _loop_results
 from lightning_store._result import _StoredOnCPU, _syncs
-from lightning_store.metric_states import _settle_states, _stores_states_on_cpu
 from lightning_store.metrics._offloaded import _queue_of
+from lightning_store.metrics.states import _settle_states, _stores_states_on_cpu
 
 __all__ = ["KeyStorage", "format_storage_report", "storage_report"]
 

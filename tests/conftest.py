@@ -5,8 +5,8 @@ import pytest
 import torch
 from _support import ManualTransfer
 
-from lightning_store import _states
 from lightning_store import warnings as store_warnings
+from lightning_store.metrics import _states
 
 
 @pytest.fixture(autouse=True)

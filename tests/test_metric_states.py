@@ -23,8 +23,8 @@ from lightning_store import (
     storage_report,
     store_states_on_cpu,
 )
-from lightning_store import _states as states
-from lightning_store import metric_states as ms
+from lightning_store.metrics import _states as states
+from lightning_store.metrics import states as ms
 
 WORKER = Path(__file__).with_name("_metric_ddp_worker.py")
 SIZES = (5, 7, 3, 6)  # uneven batches

@@ -32,7 +32,7 @@ from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric
 from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUWarning, Trainer, _collection, _compat
 from lightning_store._collection import _StoringResults
 from lightning_store._result import _StoredOnCPU
-from lightning_store.metric_states import _stores_states_on_cpu
+from lightning_store.metrics.states import _stores_states_on_cpu
 
 
 def _flag_trainer(**kwargs):

@@ -13,7 +13,7 @@ from torchmetrics.classification import BinaryAUROC
 import lightning_store
 
 try:
-    from lightning_store import metric_states
+    from lightning_store.metrics import states as metric_states
 except ImportError:  # a lightning-store without store_states_on_cpu: check 6 skips
     metric_states = None  # type: ignore[assignment]
 

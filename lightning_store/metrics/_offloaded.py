@@ -9,8 +9,8 @@ from torch import Tensor
 from torch.nn import Module
 from torchmetrics import Metric
 
-from lightning_store._configured import _sync_lists_on_device
 from lightning_store._gather import gather_on_device
+from lightning_store.metrics._configured import _sync_lists_on_device
 from lightning_store.metrics._inputs import _land, _on_cpu_now, _start_copies
 from lightning_store.metrics._queue import _UpdateQueue
 from lightning_store.metrics._random import _refuse_random_numbers

@@ -6,9 +6,9 @@ from torch.nn import Module
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.wrappers import BootStrapper, MetricTracker
 
-from lightning_store._configured import _StatesOnCPU
 from lightning_store._gather import _is_gather_on_device, gather_on_device
 from lightning_store._policy import _type_name
+from lightning_store.metrics._configured import _StatesOnCPU
 from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of, _settling
 from lightning_store.metrics._queue import DEFAULT_MAX_PENDING, _UpdateQueue
 

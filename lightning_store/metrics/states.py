@@ -7,11 +7,11 @@ from torch.nn import Module
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.wrappers import MetricTracker
 
-from lightning_store._configured import _class_for, _collecting, _settling, _StatesOnCPU
 from lightning_store._gather import DEFAULT_CHUNK_BYTES, _check_chunk_bytes, _is_gather_on_device, gather_on_device
 from lightning_store._policy import _type_name
-from lightning_store._states import _collect, _CPUStates, _owns_list_states, _settle
+from lightning_store.metrics._configured import _class_for, _collecting, _settling, _StatesOnCPU
 from lightning_store.metrics._offloaded import _is_offloaded
+from lightning_store.metrics._states import _collect, _CPUStates, _owns_list_states, _settle
 from lightning_store.warnings import _warn_once
 
 __all__ = ["gather_on_device", "store_states_on_cpu"]
