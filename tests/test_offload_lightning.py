@@ -177,3 +177,16 @@ def test_the_1x_flag_leaves_an_offloaded_metric_as_it_is(tmp_path):
     _, plain = _fit(tmp_path / "plain", offload=False, max_epochs=1)
     assert type(model.auroc).__mro__[1].__name__ == "_OffloadedMetric"  # not configured a second time
     assert_same(trainer.callback_metrics, plain.callback_metrics)
+
+
+def test_to_torchscript_scripts_a_module_holding_offloaded_metrics_as_a_plain_one():
+    scripted = {}
+    for offload in (True, False):
+        model = MetricsModel(offload)
+        model.auroc.update(torch.tensor([0.2, 0.9]), torch.tensor([0, 1]))  # queued when it is scripted
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript's and Lightning's deprecations
+            scripted[offload] = model.to_torchscript()
+    x = torch.randn(3, 4)
+    assert torch.equal(scripted[True](x), scripted[False](x))
+    assert torch.equal(scripted[True].auroc.preds[0], scripted[False].auroc.preds[0])

@@ -176,7 +176,9 @@ class _OffloadedContainer(Module):
         else:
             _queue_update(self, super().update, args, kwargs)  # type: ignore[misc]
 
+    @torch.jit.unused
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """As the collection's own ``forward``, on the CPU, after every update queued before it."""
         if _runs_inline():
             return super().forward(*args, **kwargs)
         return _forward_inline(self, super().forward, args, kwargs)
