@@ -31,7 +31,7 @@ exits with 1.
    updated on 1,000,000 predictions against the same step without a Metric, the device synchronised around each
    timed loop only. Goals: 0 syncs per update after the first, 0 device bytes, a step ratio of at most 1.02.
 
-    python benchmarks/offload.py [--rounds 5] [--calls 5] [--threads 1] [--parts heavy loop tiny gpu]
+    python benchmarks/offload.py [--rounds 9] [--calls 5] [--threads 1] [--parts heavy loop tiny gpu]
     python benchmarks/offload.py --quick   # small sizes, 2 rounds: checks the script itself
 """
 
@@ -466,7 +466,7 @@ def _warm_up_allocator() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=5, help="heavy Metric: update calls a round")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, process-wide")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))

@@ -27,8 +27,8 @@ class _Copy(Protocol):
 class _Transfer(Protocol):
     """Starts device-to-host copies."""
 
-    def start(self, tensor: Tensor) -> _Copy:
-        """Start copying ``tensor`` to the CPU."""
+    def start(self, tensor: Tensor, snapshot: bool = False) -> _Copy:
+        """Start copying ``tensor`` to the CPU (``snapshot``: of a device copy of it, see :class:`_CUDATransfer`)."""
 
 
 class _Landed:
@@ -93,21 +93,29 @@ class _CUDATransfer:
         self._stream = torch.cuda.Stream(device)
         self._pools: dict[tuple[torch.dtype, torch.Size], list[_Slot]] = {}
 
-    def start(self, tensor: Tensor) -> _Copy:
+    def start(self, tensor: Tensor, snapshot: bool = False) -> _Copy:
+        """Start copying ``tensor`` to the CPU, holding it as it is now.
+
+        With ``snapshot``, the producing stream first copies the value on the device (a device-to-device copy, at
+        the device's memory bandwidth) and goes on at once; the copy to the CPU reads that snapshot, which is freed
+        once the copy has landed. For large values (a Metric's inputs): the producing stream never waits for the
+        copy to the CPU, at the cost of device memory for the values in flight.
+        """
         if tensor.device != self.device:
             return _Landed(tensor)
         pool = self._pools.setdefault((tensor.dtype, tensor.shape), [])
         slot = pool.pop() if pool else _Slot(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), pool)
         producer = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device):
+            source = tensor.clone() if snapshot else tensor  # on the producing stream, after the work it did
             self._stream.wait_stream(producer)
             with torch.cuda.stream(self._stream):
-                slot.host.copy_(tensor, non_blocking=True)
+                slot.host.copy_(source, non_blocking=True)
                 slot.event.record(self._stream)
-            if self._producer_waits:
+            if self._producer_waits and not snapshot:
                 producer.wait_event(slot.event)
         # kept: the allocator reuses the memory on the stream that allocated it, not always the one made to wait
-        tensor.record_stream(self._stream)
+        source.record_stream(self._stream)
         return slot
 
 

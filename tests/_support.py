@@ -426,7 +426,7 @@ class ManualTransfer:
     def __init__(self) -> None:
         self.copies: list[ManualCopy] = []
 
-    def start(self, tensor: torch.Tensor) -> ManualCopy:
+    def start(self, tensor: torch.Tensor, snapshot: bool = False) -> ManualCopy:
         copy = ManualCopy(tensor)
         self.copies.append(copy)
         return copy

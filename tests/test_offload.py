@@ -514,3 +514,22 @@ def test_a_metric_that_cannot_be_copied_runs_its_first_update_at_the_call():
     torch.manual_seed(0)
     expected = torch.tensor(1.0) + torch.rand(())  # the plain update's random number, drawn when it was
     assert torch.equal(drawing.compute(), expected)
+
+
+def test_cpu_copies_go_through_buffers_reused_and_kept_for_the_latest_shapes_only():
+    from lightning_store.metrics import _inputs
+
+    metric, plain = offload_to_cpu(CatMetric()), CatMetric()
+    x = torch.arange(6.0)
+    for _ in range(3):
+        metric.update(x)
+        plain.update(x.clone())
+        metric.compute()  # landed: its buffer is back in the pool
+        x.add_(1)
+    pool = _inputs._host_pools[(torch.float32, torch.Size([6]))]
+    assert len(pool) == 1  # one buffer served the three copies
+    for n in range(1, 3 * _inputs._POOL_SHAPES):  # inputs of varying shapes
+        metric.update(torch.arange(float(n)))
+        plain.update(torch.arange(float(n)))
+    _assert_same(metric.compute(), plain.compute())
+    assert len(_inputs._host_pools) == _inputs._POOL_SHAPES
