@@ -132,3 +132,34 @@ def test_an_offloaded_metric_unpickled_in_a_fresh_process_runs_there(tmp_path, q
         """)
     )
     assert out.split("\n")[:2] == ["_OffloadedMetric 10.0 True", "20.0 True"]
+
+
+def test_an_update_after_the_worker_stopped_at_exit_runs_in_the_caller():
+    out = _ok(
+        _run("""
+        metric = offload_to_cpu(SumMetric())
+        metric.update(torch.tensor(1.0))
+        metric.compute()
+        _worker._get_worker().stop()  # as at exit, before another exit handler updates the Metric
+        metric.update(torch.tensor(2.0))
+        print("late", float(metric.compute()), flush=True)
+        """)
+    )
+    assert out.split("\n")[0] == "late 3.0"
+
+
+def test_a_read_after_exit_dropped_updates_says_so():
+    out = _ok(
+        _run("""
+        metric = offload_to_cpu(Slow(), max_pending=64)
+        for value in range(5):
+            metric.update(torch.tensor(float(value)))
+        _worker._get_worker().stop()  # as at exit: the updates not yet run are dropped
+        try:
+            metric.compute()
+        except RuntimeError as error:
+            print(error)
+        """)
+    )
+    assert out.startswith("Slow: ") and "update(s) were still queued when the process began to exit" in out
+    assert "HINT: read the Metric (`compute()`) before the process exits" in out

@@ -29,7 +29,7 @@ def _queue_of(obj: Module) -> _UpdateQueue | None:
 def _settle(obj: Module) -> None:
     """Wait for the updates queued on ``obj`` (and raise the error one raised), unless this thread runs them."""
     queue = _queue_of(obj)
-    if queue is not None and (queue.pending or queue.failure is not None) and not _runs_inline():
+    if queue is not None and (queue.pending or queue.failure is not None or queue.dropped) and not _runs_inline():
         queue.settle()
 
 

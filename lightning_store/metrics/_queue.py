@@ -4,7 +4,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_store.metrics._worker import _get_worker, _Job
+from lightning_store.metrics._worker import _get_worker, _Inline, _Job
 
 DEFAULT_MAX_PENDING = 8
 
@@ -42,6 +42,7 @@ class _UpdateQueue:
         self.waits = 0
         self.waited_s = 0.0
         self.failure: _Failure | None = None
+        self.dropped = 0  # updates not run, dropped when the process began to exit
         self.probed = False  # whether the first update was checked for random numbers
 
     def __deepcopy__(self, memo: dict) -> "_UpdateQueue":
@@ -54,6 +55,10 @@ class _UpdateQueue:
         """Queue ``run`` after the updates already queued, first waiting while ``max_pending`` of them wait."""
         self.raise_failure()
         worker = _get_worker()
+        if worker.stopping:  # the process is exiting (an update from another exit handler): it runs here
+            with _Inline():
+                run()
+            return
         with worker.lock:
             if self.pending >= self.max_pending:
                 started = time.perf_counter()
@@ -85,6 +90,13 @@ class _UpdateQueue:
         self.raise_failure()
 
     def raise_failure(self) -> None:
+        if self.dropped:
+            dropped, self.dropped = self.dropped, 0
+            raise RuntimeError(
+                f"{self.name}: {dropped} update(s) were still queued when the process began to exit, and were"
+                " dropped: this Metric's state lacks them. HINT: read the Metric (`compute()`) before the process"
+                " exits, not from an exit handler."
+            )
         failure = self.failure
         if failure is None:
             return

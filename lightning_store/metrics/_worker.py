@@ -114,6 +114,7 @@ class _Worker:
         with self.lock:
             for job in self.jobs:
                 job.queue.pending -= 1
+                job.queue.dropped += 1
             self.jobs.clear()
             self.stopping = True
             self.changed.notify_all()
