@@ -516,9 +516,12 @@ def test_a_metric_that_cannot_be_copied_runs_its_first_update_at_the_call():
     assert torch.equal(drawing.compute(), expected)
 
 
-def test_cpu_copies_go_through_buffers_reused_and_kept_for_the_latest_shapes_only():
+def test_cpu_copies_go_through_buffers_reused_and_kept_for_the_latest_shapes_only(monkeypatch):
+    from collections import OrderedDict
+
     from lightning_store.metrics import _inputs
 
+    monkeypatch.setattr(_inputs, "_host_pools", OrderedDict())  # none kept from other tests
     metric, plain = offload_to_cpu(CatMetric()), CatMetric()
     x = torch.arange(6.0)
     for _ in range(3):
