@@ -1,6 +1,6 @@
 """The CPU buffer: device-to-host copies that never stall the step, folded into the state in order."""
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from functools import cache
 from typing import Protocol
@@ -86,12 +86,13 @@ class _CUDATransfer:
     """
 
     pool_size = 64
+    pool_shapes = 16  # the dtypes and shapes whose memory is kept, the latest used (a Metric's inputs may vary)
     _producer_waits = True  # False only in `benchmarks/gpu_step_time.py`: the ordering before issue 18, to time it
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device)
-        self._pools: dict[tuple[torch.dtype, torch.Size], list[_Slot]] = {}
+        self._pools: OrderedDict[tuple[torch.dtype, torch.Size], list[_Slot]] = OrderedDict()
 
     def start(self, tensor: Tensor, snapshot: bool = False) -> _Copy:
         """Start copying ``tensor`` to the CPU, holding it as it is now.
@@ -103,8 +104,17 @@ class _CUDATransfer:
         """
         if tensor.device != self.device:
             return _Landed(tensor)
-        pool = self._pools.setdefault((tensor.dtype, tensor.shape), [])
-        slot = pool.pop() if pool else _Slot(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), pool)
+        key = (tensor.dtype, tensor.shape)
+        if key in self._pools:
+            self._pools.move_to_end(key)
+        elif len(self._pools) >= self.pool_shapes:
+            self._pools.popitem(last=False)  # its slots in flight go back to a pool no longer used, and are freed
+        pool = self._pools.setdefault(key, [])
+        if pool:
+            slot = pool.pop()
+        else:
+            with torch.inference_mode(False):  # made in an evaluation loop, it is reused outside one
+                slot = _Slot(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), pool)
         producer = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device):
             source = tensor.clone() if snapshot else tensor  # on the producing stream, after the work it did

@@ -407,3 +407,18 @@ def test_cuda_on_an_offloaded_metric_keeps_its_states_on_the_cpu(make, fed):
     value = metric.compute()
     assert value.is_cpu and torch.equal(value, plain.compute())
     assert {t.device.type for t in _metric_tensors(metric)} == {"cpu"}
+
+
+def test_a_pinned_buffer_made_in_inference_mode_serves_a_copy_outside_it():
+    from lightning_store._buffer import _CUDATransfer
+
+    transfer = _CUDATransfer(torch.device("cuda", torch.cuda.current_device()))
+    with torch.inference_mode():  # an evaluation loop makes the buffer
+        copy = transfer.start(torch.ones(3, device="cuda"))
+        copy.wait()
+        copy.release()
+    value = torch.full((3,), 2.0, device="cuda")  # the training loop reuses it
+    for snapshot in (False, True):
+        copy = transfer.start(value, snapshot=snapshot)
+        assert torch.equal(copy.wait(), value.cpu())
+        copy.release()

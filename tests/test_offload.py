@@ -536,3 +536,17 @@ def test_cpu_copies_go_through_buffers_reused_and_kept_for_the_latest_shapes_onl
         plain.update(torch.arange(float(n)))
     _assert_same(metric.compute(), plain.compute())
     assert len(_inputs._host_pools) == _inputs._POOL_SHAPES
+
+
+def test_a_buffer_made_in_inference_mode_serves_a_copy_outside_it():
+    metric, plain = offload_to_cpu(CatMetric()), CatMetric()
+    shape = (7, 3)  # a shape no other test uses: its buffer is made below, in inference mode
+    with torch.inference_mode():  # Lightning's validation loop
+        x = torch.rand(shape)
+        metric.update(x)
+        plain.update(x.clone())
+        metric.compute()
+    y = torch.rand(shape)  # then the training loop, the same shape
+    metric.update(y)
+    plain.update(y.clone())
+    _assert_same(metric.compute(), plain.compute())

@@ -11,6 +11,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_store._gather import DEFAULT_CHUNK_BYTES, _gather_elements, gather_on_device
+from lightning_store.metrics._classes import _in_front, _own_class, _reduce
 from lightning_store.metrics._states import _CPU, _collect, _CPUStates, _list_states, _settle
 
 
@@ -36,6 +37,7 @@ class _StatesOnCPU(Metric):
     """Put in front of the class of a Metric given to ``store_states_on_cpu`` (see :func:`_class_for`)."""
 
     _cpu_states: _CPUStates
+    _kept_attribute = "_cpu_states"
 
     def _wrap_update(self, update: Callable) -> Callable:
         return _collecting(self, super()._wrap_update(update))
@@ -104,7 +106,7 @@ class _StatesOnCPU(Metric):
 
     def merge_state(self, incoming_state: Any) -> None:
         # torchmetrics wants an instance of this class: the Metric's own class is as good (its state is the same)
-        if isinstance(incoming_state, _bases[type(self)]):
+        if isinstance(incoming_state, _own_class(type(self))):
             incoming_state = cast(Metric, incoming_state).metric_state  # a configured one settles first
         _settle(self)
         super().merge_state(incoming_state)  # torchmetrics >= 1.1
@@ -125,8 +127,7 @@ class _StatesOnCPU(Metric):
         return super().__getstate__()
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        # the class is made at run time: pickle rebuilds it from the Metric's own class, which it finds by name
-        return _rebuild, (_bases[type(self)],), self.__getstate__()
+        return _reduce(self, _StatesOnCPU, self.__getstate__())
 
 
 def _sync_lists_on_device(
@@ -197,28 +198,6 @@ def _forward_of(metric_class: type) -> Callable:
     return next(vars(c)["forward"] for c in after if "forward" in vars(c))
 
 
-_classes: dict[type, type[_StatesOnCPU]] = {}
-_bases: dict[type, type] = {}
-
-
 def _class_for(metric_class: type) -> type[_StatesOnCPU]:
     """``_StatesOnCPU`` put in front of ``metric_class``, made once, with the name of ``metric_class``."""
-    if metric_class not in _classes:
-        names = {
-            "__module__": metric_class.__module__,
-            "__qualname__": metric_class.__qualname__,
-            # what TorchScript leaves alone: the Metric's own, and what this class adds (`metric_state` is a
-            # property of torchmetrics >= 1.1 only; `_cpu_states` a Python object it would try to compile)
-            "__jit_unused_properties__": [*getattr(metric_class, "__jit_unused_properties__", []), "metric_state"],
-            "__jit_ignored_attributes__": [*getattr(metric_class, "__jit_ignored_attributes__", []), "_cpu_states"],
-        }
-        made = type(metric_class.__name__, (_StatesOnCPU, metric_class), names)
-        _classes[metric_class] = made
-        _bases[made] = metric_class
-    return _classes[metric_class]
-
-
-def _rebuild(metric_class: type) -> _StatesOnCPU:
-    """An empty configured Metric of ``metric_class``, for pickle to fill in with ``__setstate__``."""
-    made = _class_for(metric_class)
-    return made.__new__(made)
+    return _in_front(_StatesOnCPU, metric_class, _StatesOnCPU._kept_attribute)

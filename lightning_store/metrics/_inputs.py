@@ -30,7 +30,11 @@ class _HostCopy:
         elif len(_host_pools) >= _POOL_SHAPES:
             _host_pools.popitem(last=False)
         self.pool = _host_pools.setdefault(key, [])
-        self.host = self.pool.pop() if self.pool else torch.empty(tensor.shape, dtype=tensor.dtype)
+        if self.pool:
+            self.host = self.pool.pop()
+        else:
+            with torch.inference_mode(False):  # made in an evaluation loop, it is reused outside one
+                self.host = torch.empty(tensor.shape, dtype=tensor.dtype)
         self.host.copy_(tensor)
 
     def wait(self) -> Tensor:

@@ -10,6 +10,7 @@ from torch.nn import Module
 from torchmetrics import Metric
 
 from lightning_store._gather import gather_on_device
+from lightning_store.metrics._classes import _in_front, _own_class, _reduce
 from lightning_store.metrics._configured import _sync_lists_on_device
 from lightning_store.metrics._inputs import _land, _on_cpu_now, _start_copies
 from lightning_store.metrics._queue import _UpdateQueue
@@ -82,6 +83,7 @@ class _OffloadedMetric(Metric):
     """Put in front of the class of a Metric given to ``offload_to_cpu`` (see :func:`_offloaded_class`)."""
 
     _offload: _UpdateQueue
+    _kept_attribute = "_offload"
 
     def __getattribute__(self, name: str) -> Any:
         if name in _METRIC_BOOKKEEPING or name in object.__getattribute__(self, "__dict__").get("_defaults", ()):
@@ -134,7 +136,7 @@ class _OffloadedMetric(Metric):
 
     def merge_state(self, incoming_state: Any) -> None:
         # torchmetrics wants an instance of this class: the Metric's own class is as good (its state is the same)
-        if isinstance(incoming_state, _bases[type(self)]):
+        if isinstance(incoming_state, _own_class(type(self))):
             incoming_state = cast(Metric, incoming_state).metric_state  # an offloaded one settles first
         _settle(self)
         super().merge_state(incoming_state)  # torchmetrics >= 1.1
@@ -153,14 +155,14 @@ class _OffloadedMetric(Metric):
         return super().__getstate__()
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        # the class is made at run time: pickle rebuilds it from the Metric's own class, which it finds by name
-        return _rebuild, (_bases[type(self)],), self.__getstate__()
+        return _reduce(self, _OffloadedMetric, self.__getstate__())
 
 
 class _OffloadedContainer(Module):
     """Put in front of a ``MetricCollection`` or ``MetricTracker`` given to ``offload_to_cpu``: one update queued."""
 
     _offload: _UpdateQueue
+    _kept_attribute = "_offload"
 
     def __getattribute__(self, name: str) -> Any:
         # a collection's first update forms its compute groups; after it, what the collection's own bookkeeping
@@ -185,7 +187,7 @@ class _OffloadedContainer(Module):
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         _settle(self)
-        return _rebuild, (_bases[type(self)],), self.__getstate__()
+        return _reduce(self, _OffloadedContainer, self.__getstate__())
 
 
 _PROBED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
@@ -219,33 +221,11 @@ def _kept_on_cpu(fn: Callable, probes: dict[torch.dtype, Tensor], tensor: Tensor
     return tensor if probe.dtype == tensor.dtype else tensor.to(dtype=probe.dtype)
 
 
-_classes: dict[type, type] = {}
-_bases: dict[type, type] = {}
-
-
 def _offloaded_class(own_class: type) -> type:
-    """The front class put in front of ``own_class``, made once, with the name of ``own_class``."""
-    if own_class not in _classes:
-        front = _OffloadedMetric if issubclass(own_class, Metric) else _OffloadedContainer
-        names = {
-            "__module__": own_class.__module__,
-            "__qualname__": own_class.__qualname__,
-            # what TorchScript leaves alone: the Metric's own, and what this class adds (`metric_state` is a
-            # property of torchmetrics >= 1.1 only; `_offload` a Python object it would try to compile)
-            "__jit_unused_properties__": [*getattr(own_class, "__jit_unused_properties__", []), "metric_state"],
-            "__jit_ignored_attributes__": [*getattr(own_class, "__jit_ignored_attributes__", []), "_offload"],
-        }
-        made = type(own_class.__name__, (front, own_class), names)
-        _classes[own_class] = made
-        _bases[made] = own_class
-    return _classes[own_class]
+    """The front class put in front of ``own_class`` (a Metric's, a collection's), made once, named as it."""
+    front = _OffloadedMetric if issubclass(own_class, Metric) else _OffloadedContainer
+    return _in_front(front, own_class, front._kept_attribute)
 
 
 def _is_offloaded(obj: Any) -> bool:
-    return type(obj) in _bases
-
-
-def _rebuild(own_class: type) -> Module:
-    """An empty offloaded object of ``own_class``, for pickle to fill in with ``__setstate__``."""
-    made: Any = _offloaded_class(own_class)
-    return made.__new__(made)
+    return isinstance(obj, (_OffloadedMetric, _OffloadedContainer))
