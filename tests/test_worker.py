@@ -104,7 +104,7 @@ def test_the_process_exits_promptly_with_updates_pending():
     ended = time.perf_counter()
     out = _ok(result)
     assert out.startswith("queued ") and int(out.split()[1]) > 150
-    assert result.stderr == ""  # no traceback
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr, result.stderr  # warnings may be
     assert ended - started < 60  # not the 100 s the queue holds (the interpreter's start is most of it)
 
 
