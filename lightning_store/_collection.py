@@ -22,7 +22,7 @@ class _StoringResults:
 
     _move_metrics_to_cpu: bool = False  # the Trainer's flag: the policy of a call the module leaves open
     _sync_device: torch.device  # where collectives run and where logged values come from
-    _lightning_class: type  # set on each class `_storing_class` makes
+    _base_class: type  # set on each class `_storing_class` makes
 
     def update_metrics(self, key: str, value: Any, batch_size: int) -> None:
         store = _requested.get()
@@ -48,7 +48,7 @@ class _StoringResults:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # the class is made at run time, so pickle could not find it by name: it is made again from Lightning's
-        return _remade, (_StoringResults, self._lightning_class), dict(vars(self)), None, iter(self.items())  # type: ignore[attr-defined]
+        return _remade, (_StoringResults, self._base_class), dict(vars(self)), None, iter(self.items())  # type: ignore[attr-defined]
 
 
 def _storing_class(collection_class: type) -> type[_StoringResults]:

@@ -36,24 +36,37 @@ def _check_lightning_version(distribution: str) -> None:
         )
 
 
-_made: dict[tuple[type, type], type] = {}  # (front, Lightning's class) -> the class made
+_made: dict[tuple[type, type], type] = {}  # (front, the class it is put in front of) -> the class made
 
 
-def _in_front_of(front: type, lightning_class: type) -> type:
-    """``front`` put in front of ``lightning_class``, of either Lightning namespace; made once per process.
+def _in_front_of(front: type, base: type) -> type:
+    """``front`` put in front of ``base`` (a class of either Lightning namespace, or a Metric's); made once.
 
-    The class made is named ``front`` + ``lightning_class`` (``_StoredOnCPU_ResultMetric``) and knows the class it
-    was made for as ``_lightning_class``; pickle finds it by neither name, so it pickles through :func:`_remade`.
+    The class made knows ``base`` as ``_base_class``; pickle finds it by no name, so it pickles through
+    :func:`_remade`. In front of a Lightning class it is named for both (``_StoredOnCPU_ResultMetric``). A front
+    that keeps a Python object on the instance (``_kept_attribute``: a configured Metric's) is named as ``base``,
+    which it stands for, and TorchScript leaves that object alone, and ``metric_state`` (torchmetrics >= 1.1 only).
     """
-    if (front, lightning_class) not in _made:
-        if lightning_class.__module__.startswith("lightning."):
+    if (front, base) not in _made:
+        if base.__module__.startswith("lightning."):
             _check_lightning_version("lightning")
-        name = f"{front.__name__}{lightning_class.__name__}"
-        _made[front, lightning_class] = type(name, (front, lightning_class), {"_lightning_class": lightning_class})
-    return _made[front, lightning_class]
+        kept = getattr(front, "_kept_attribute", None)
+        attributes: dict[str, Any] = {"_base_class": base}
+        if kept is None:
+            name = f"{front.__name__}{base.__name__}"
+        else:
+            name = base.__name__
+            attributes |= {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__jit_unused_properties__": [*getattr(base, "__jit_unused_properties__", []), "metric_state"],
+                "__jit_ignored_attributes__": [*getattr(base, "__jit_ignored_attributes__", []), kept],
+            }
+        _made[front, base] = type(name, (front, base), attributes)
+    return _made[front, base]
 
 
-def _remade(front: type, lightning_class: type) -> Any:
+def _remade(front: type, base: type) -> Any:
     """An empty object of the class :func:`_in_front_of` makes, made again if need be, for pickle to fill."""
-    made: Any = _in_front_of(front, lightning_class)
+    made: Any = _in_front_of(front, base)
     return made.__new__(made)

@@ -190,9 +190,9 @@ class _StoredOnCPU:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # the class is made at run time, so pickle could not find it by name: it is made again from Lightning's
-        return _remade, (_StoredOnCPU, self._lightning_class), self.__getstate__()
+        return _remade, (_StoredOnCPU, self._base_class), self.__getstate__()
 
-    _lightning_class: type  # set on each class `_stored_on_cpu_class` makes
+    _base_class: type  # set on each class `_stored_on_cpu_class` makes
 
 
 def _stored_on_cpu_class(result_metric_class: type) -> type[_StoredOnCPU]:

@@ -10,8 +10,8 @@ from torch.nn import Module
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
+from lightning_store._compat import _in_front_of, _remade
 from lightning_store._gather import DEFAULT_CHUNK_BYTES, _gather_elements, gather_on_device
-from lightning_store.metrics._classes import _in_front, _own_class, _reduce
 from lightning_store.metrics._states import _CPU, _collect, _CPUStates, _list_states, _settle
 
 
@@ -33,11 +33,65 @@ def _settling(metric: Metric, compute: Callable) -> Callable:
     return settle_then_compute
 
 
-class _StatesOnCPU(Metric):
+class _SettledReads(Metric):
+    """The reads of a configured Metric that first settle its states, then run as the Metric's own.
+
+    A front class (``_StatesOnCPU``, ``_OffloadedMetric``) says how to settle (``_settle_states``) and what to do
+    after a state came in from elsewhere (``_after_load``: it may be on a device).
+    """
+
+    _base_class: type  # the Metric's own class: see `_compat._in_front_of`
+
+    def _settle_states(self) -> None:
+        raise NotImplementedError
+
+    def _after_load(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def metric_state(self) -> dict[str, list[Tensor] | Tensor]:
+        self._settle_states()
+        return {attr: getattr(self, attr) for attr in self._defaults}
+
+    def state_dict(  # type: ignore[override]
+        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        self._settle_states()
+        return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._settle_states()
+        super()._load_from_state_dict(*args, **kwargs)
+        self._after_load()
+
+    def merge_state(self, incoming_state: Any) -> None:
+        # torchmetrics wants an instance of this class: the Metric's own class is as good (its state is the same)
+        if isinstance(incoming_state, self._base_class):
+            incoming_state = cast(Metric, incoming_state).metric_state  # a configured one settles first
+        self._settle_states()
+        super().merge_state(incoming_state)  # torchmetrics >= 1.1
+        self._after_load()
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._settle_states()
+        return super().__getstate__()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # the class is made at run time: pickle makes it again from its front and the Metric's own class
+        return _remade, type(self).__bases__, self.__getstate__()
+
+
+class _StatesOnCPU(_SettledReads):
     """Put in front of the class of a Metric given to ``store_states_on_cpu`` (see :func:`_class_for`)."""
 
     _cpu_states: _CPUStates
-    _kept_attribute = "_cpu_states"
+    _kept_attribute = "_cpu_states"  # see `_compat._in_front_of`
+
+    def _settle_states(self) -> None:
+        _settle(self)
+
+    def _after_load(self) -> None:
+        _settle(self)  # a state loaded or merged from a device is copied to the CPU
 
     def _wrap_update(self, update: Callable) -> Callable:
         return _collecting(self, super()._wrap_update(update))
@@ -88,30 +142,6 @@ class _StatesOnCPU(Metric):
         device = self.device if self._cpu_states.paused else _CPU
         _sync_lists_on_device(self, super()._sync_dist, dist_sync_fn, process_group, device)
 
-    @property
-    def metric_state(self) -> dict[str, list[Tensor] | Tensor]:
-        _settle(self)
-        return {attr: getattr(self, attr) for attr in self._defaults}
-
-    def state_dict(  # type: ignore[override]
-        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
-    ) -> dict[str, Any]:
-        _settle(self)
-        return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        _settle(self)
-        super()._load_from_state_dict(*args, **kwargs)
-        _settle(self)
-
-    def merge_state(self, incoming_state: Any) -> None:
-        # torchmetrics wants an instance of this class: the Metric's own class is as good (its state is the same)
-        if isinstance(incoming_state, _own_class(type(self))):
-            incoming_state = cast(Metric, incoming_state).metric_state  # a configured one settles first
-        _settle(self)
-        super().merge_state(incoming_state)  # torchmetrics >= 1.1
-        _settle(self)
-
     def _apply(self, fn: Callable, exclude_state: Any = "") -> Module:
         # `.to()`, `.cuda()`, `set_dtype()`... reach every state through `fn`. The list states stay on the CPU: their
         # elements get only the dtype `fn` gives (a copy in flight first lands if that changes any).
@@ -121,13 +151,6 @@ class _StatesOnCPU(Metric):
         keep = functools.partial(_keep_on_cpu, fn, {id(t) for t in _elements(self)}, dtypes)
         # `keep` shows `fn` in its repr, from which torchmetrics tells a `.half()` from a `.to()`
         return super()._apply(keep, exclude_state) if exclude_state else super()._apply(keep)
-
-    def __getstate__(self) -> dict[str, Any]:
-        _settle(self)
-        return super().__getstate__()
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return _reduce(self, _StatesOnCPU, self.__getstate__())
 
 
 def _sync_lists_on_device(
@@ -200,4 +223,4 @@ def _forward_of(metric_class: type) -> Callable:
 
 def _class_for(metric_class: type) -> type[_StatesOnCPU]:
     """``_StatesOnCPU`` put in front of ``metric_class``, made once, with the name of ``metric_class``."""
-    return _in_front(_StatesOnCPU, metric_class, _StatesOnCPU._kept_attribute)
+    return _in_front_of(_StatesOnCPU, metric_class)

@@ -9,9 +9,9 @@ from torch import Tensor
 from torch.nn import Module
 from torchmetrics import Metric
 
+from lightning_store._compat import _in_front_of, _remade
 from lightning_store._gather import gather_on_device
-from lightning_store.metrics._classes import _in_front, _own_class, _reduce
-from lightning_store.metrics._configured import _sync_lists_on_device
+from lightning_store.metrics._configured import _SettledReads, _sync_lists_on_device
 from lightning_store.metrics._inputs import _land, _on_cpu_now, _start_copies
 from lightning_store.metrics._queue import _UpdateQueue
 from lightning_store.metrics._random import _refuse_random_numbers
@@ -79,11 +79,17 @@ def _forward_inline(obj: Module, forward: Callable, args: tuple, kwargs: dict) -
         return forward(*args, **kwargs)
 
 
-class _OffloadedMetric(Metric):
+class _OffloadedMetric(_SettledReads):
     """Put in front of the class of a Metric given to ``offload_to_cpu`` (see :func:`_offloaded_class`)."""
 
     _offload: _UpdateQueue
-    _kept_attribute = "_offload"
+    _kept_attribute = "_offload"  # see `_compat._in_front_of`
+
+    def _settle_states(self) -> None:
+        _settle(self)
+
+    def _after_load(self) -> None:
+        self.cpu()  # a state loaded or merged from a device comes to the CPU
 
     def __getattribute__(self, name: str) -> Any:
         if name in _METRIC_BOOKKEEPING or name in object.__getattribute__(self, "__dict__").get("_defaults", ()):
@@ -119,29 +125,6 @@ class _OffloadedMetric(Metric):
     def _sync_dist(self, dist_sync_fn: Callable = gather_on_device, process_group: Any | None = None) -> None:
         _sync_lists_on_device(self, super()._sync_dist, dist_sync_fn, process_group, _CPU)
 
-    @property
-    def metric_state(self) -> dict[str, list[Tensor] | Tensor]:
-        return {attr: getattr(self, attr) for attr in self._defaults}
-
-    def state_dict(  # type: ignore[override]
-        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
-    ) -> dict[str, Any]:
-        _settle(self)
-        return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        _settle(self)
-        super()._load_from_state_dict(*args, **kwargs)
-        self.cpu()  # a state loaded onto a device comes to the CPU
-
-    def merge_state(self, incoming_state: Any) -> None:
-        # torchmetrics wants an instance of this class: the Metric's own class is as good (its state is the same)
-        if isinstance(incoming_state, _own_class(type(self))):
-            incoming_state = cast(Metric, incoming_state).metric_state  # an offloaded one settles first
-        _settle(self)
-        super().merge_state(incoming_state)  # torchmetrics >= 1.1
-        self.cpu()
-
     def _apply(self, fn: Callable, exclude_state: Any = "") -> Module:
         if _moves_nothing(fn):  # a move to a device (Lightning's on every `self.log`): the states stay as they are
             return self
@@ -150,19 +133,13 @@ class _OffloadedMetric(Metric):
         keep = functools.partial(_kept_on_cpu, fn, {})
         return super()._apply(keep, exclude_state) if exclude_state else super()._apply(keep)
 
-    def __getstate__(self) -> dict[str, Any]:
-        _settle(self)
-        return super().__getstate__()
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return _reduce(self, _OffloadedMetric, self.__getstate__())
-
 
 class _OffloadedContainer(Module):
     """Put in front of a ``MetricCollection`` or ``MetricTracker`` given to ``offload_to_cpu``: one update queued."""
 
     _offload: _UpdateQueue
-    _kept_attribute = "_offload"
+    _kept_attribute = "_offload"  # see `_compat._in_front_of`
+    _base_class: type
 
     def __getattribute__(self, name: str) -> Any:
         # a collection's first update forms its compute groups; after it, what the collection's own bookkeeping
@@ -187,7 +164,7 @@ class _OffloadedContainer(Module):
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         _settle(self)
-        return _reduce(self, _OffloadedContainer, self.__getstate__())
+        return _remade, type(self).__bases__, self.__getstate__()
 
 
 _PROBED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
@@ -224,7 +201,7 @@ def _kept_on_cpu(fn: Callable, probes: dict[torch.dtype, Tensor], tensor: Tensor
 def _offloaded_class(own_class: type) -> type:
     """The front class put in front of ``own_class`` (a Metric's, a collection's), made once, named as it."""
     front = _OffloadedMetric if issubclass(own_class, Metric) else _OffloadedContainer
-    return _in_front(front, own_class, front._kept_attribute)
+    return _in_front_of(front, own_class)
 
 
 def _is_offloaded(obj: Any) -> bool:
