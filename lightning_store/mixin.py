@@ -111,7 +111,7 @@ class StoreOnCPUMixin(_LogBase):
             asked = _as_bool(asked, "store_on_cpu", optional=True)
         # performance: `self.log` runs every step; a call that leaves the policy to the Trainer does no more than
         # this. The Trainer's result collection applies the policy, and refuses a key's change of policy.
-        policy = asked if asked is not None else _module_policy(None, self)
+        policy = _module_policy(asked, self)
         token = None
         if policy is not None:
             if policy:

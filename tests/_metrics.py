@@ -286,3 +286,22 @@ def flatten(value: Any) -> list[Tensor]:
     if isinstance(value, list | tuple):
         return [t for item in value for t in flatten(item)]
     return [value]
+
+
+def as_bytes(tensor: Tensor) -> Tensor:
+    """The bytes of ``tensor``, flat: two tensors with equal bytes are equal bit for bit, NaN included."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bytes(got: Any, expected: Any) -> bool:
+    """The same dtype, shape and bytes (bit for bit: NaN equal to the same NaN), for tensors and lists of them."""
+    if isinstance(got, torch.Tensor):
+        return (
+            isinstance(expected, torch.Tensor)
+            and got.dtype == expected.dtype
+            and got.shape == expected.shape
+            and torch.equal(as_bytes(got), as_bytes(expected))
+        )
+    if isinstance(got, str | type(None)) or isinstance(expected, str | type(None)):  # an error, or nothing
+        return type(got) is type(expected) and got == expected
+    return len(got) == len(expected) and all(same_bytes(g, e) for g, e in zip(got, expected, strict=True))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from _metrics import ELEMENT_METRICS, WRAPPERS, MeanOfSequenceMax, binary, flatten, run_wrapper
+from _metrics import ELEMENT_METRICS, WRAPPERS, MeanOfSequenceMax, binary, flatten, run_wrapper, same_bytes
 from _support import finish_rank
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric, MetricCollection
@@ -77,24 +77,6 @@ class SlowSequenceMax(MeanOfSequenceMax):
         super().update(sequences)
 
 
-def _bytes(tensor):
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same(got, expected):
-    """The same dtype, shape and bytes (bit for bit: NaN equal to the same NaN), for tensors and lists of them."""
-    if isinstance(got, torch.Tensor):
-        return (
-            isinstance(expected, torch.Tensor)
-            and got.dtype == expected.dtype
-            and got.shape == expected.shape
-            and torch.equal(_bytes(got), _bytes(expected))
-        )
-    if isinstance(got, str | type(None)) or isinstance(expected, str | type(None)):  # an error, or nothing
-        return type(got) is type(expected) and got == expected
-    return len(got) == len(expected) and all(_same(g, e) for g, e in zip(got, expected, strict=True))
-
-
 def _plain(value):
     if isinstance(value, torch.Tensor):
         return {"dtype": str(value.dtype), "shape": list(value.shape), "values": value.tolist()}
@@ -105,7 +87,7 @@ def _plain(value):
 
 def _record(got, expected, *, synced=True, **flags):
     """Whether ``got`` is ``expected`` and every flag true; ``synced``: whether ``got`` is the same on every rank."""
-    ok = _same(got, expected) and all(flags.values())
+    ok = same_bytes(got, expected) and all(flags.values())
     return {"ok": ok, "got": _plain(got), "expected": _plain(expected), "synced": synced}
 
 
@@ -341,7 +323,7 @@ def _lightning(rank, out_dir):
         [plain[k] for k in keys],
         same_keys=sorted(offloaded) == keys and "auroc" in keys,
         offloaded=_is_offloaded(model.auroc) and not _is_offloaded(plain_model.auroc),
-        same_state=_same(_states(model.auroc), _states(plain_model.auroc)),  # reset by Lightning at epoch end
+        same_state=same_bytes(_states(model.auroc), _states(plain_model.auroc)),  # reset by Lightning at epoch end
     )
     check["values"] = {k: v.item() for k, v in offloaded.items()}
     return {"fit": check}

@@ -13,7 +13,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _metrics import ELEMENT_METRICS, EQUAL_COUNT_METRICS, SENTENCES, WRAPPERS, matrices, rouge, run_wrapper, sequences
+from _metrics import (
+    ELEMENT_METRICS,
+    EQUAL_COUNT_METRICS,
+    SENTENCES,
+    WRAPPERS,
+    as_bytes,
+    matrices,
+    rouge,
+    run_wrapper,
+    same_bytes,
+    sequences,
+)
 from _support import finish_rank
 from torchmetrics import CatMetric
 
@@ -21,29 +32,13 @@ from lightning_store import store_states_on_cpu
 from lightning_store._gather import _DTYPES, _gather_elements
 
 
-def _bytes(tensor):
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same(got, expected):
-    """The same dtype, shape and bytes (bit for bit: NaN equal to the same NaN), for tensors and lists of them."""
-    if isinstance(got, torch.Tensor):
-        return (
-            isinstance(expected, torch.Tensor)
-            and got.dtype == expected.dtype
-            and got.shape == expected.shape
-            and torch.equal(_bytes(got), _bytes(expected))
-        )
-    return len(got) == len(expected) and all(_same(g, e) for g, e in zip(got, expected, strict=True))
-
-
 def _record(got, expected, **extra):
     def plain(value):
         if isinstance(value, torch.Tensor):
-            return {"dtype": str(value.dtype), "shape": list(value.shape), "bytes": _bytes(value).tolist()}
+            return {"dtype": str(value.dtype), "shape": list(value.shape), "bytes": as_bytes(value).tolist()}
         return [plain(v) for v in value]
 
-    ok = _same(got, expected) and all(extra.values())
+    ok = same_bytes(got, expected) and all(extra.values())
     return {"ok": ok, "got": plain(got), "expected": plain(expected), **extra}
 
 

@@ -25,9 +25,12 @@ def _collecting(metric: Metric, update: Callable) -> Callable:
 
 
 def _settling(metric: Metric, compute: Callable) -> Callable:
+    """``compute`` after the states of ``metric`` (a configured Metric: a ``_SettledReads``) are settled."""
+    configured = cast("_SettledReads", metric)
+
     @functools.wraps(compute)
     def settle_then_compute(*args: Any, **kwargs: Any) -> Any:
-        _settle(metric)
+        configured._settle_states()
         return compute(*args, **kwargs)
 
     return settle_then_compute
@@ -47,6 +50,9 @@ class _SettledReads(Metric):
 
     def _after_load(self) -> None:
         raise NotImplementedError
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        return _settling(self, super()._wrap_compute(compute))
 
     @property
     def metric_state(self) -> dict[str, list[Tensor] | Tensor]:
@@ -95,9 +101,6 @@ class _StatesOnCPU(_SettledReads):
 
     def _wrap_update(self, update: Callable) -> Callable:
         return _collecting(self, super()._wrap_update(update))
-
-    def _wrap_compute(self, compute: Callable) -> Callable:
-        return _settling(self, super()._wrap_compute(compute))
 
     @torch.jit.unused
     def forward(self, *args: Any, **kwargs: Any) -> Any:

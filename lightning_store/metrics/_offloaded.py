@@ -30,7 +30,7 @@ def _queue_of(obj: Module) -> _UpdateQueue | None:
 def _settle(obj: Module) -> None:
     """Wait for the updates queued on ``obj`` (and raise the error one raised), unless this thread runs them."""
     queue = _queue_of(obj)
-    if queue is not None and (queue.pending or queue.failure is not None or queue.dropped) and not _runs_inline():
+    if queue is not None and not _runs_inline():
         queue.settle()
 
 
@@ -60,15 +60,6 @@ def _offloading(metric: Metric, update: Callable) -> Callable:
             _queue_update(metric, update, args, kwargs)
 
     return queue_update
-
-
-def _settling(metric: Module, method: Callable) -> Callable:
-    @functools.wraps(method)
-    def settle_then(*args: Any, **kwargs: Any) -> Any:
-        _settle(metric)
-        return method(*args, **kwargs)
-
-    return settle_then
 
 
 def _forward_inline(obj: Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -103,9 +94,6 @@ class _OffloadedMetric(_SettledReads):
 
     def _wrap_update(self, update: Callable) -> Callable:
         return _offloading(self, super()._wrap_update(update))
-
-    def _wrap_compute(self, compute: Callable) -> Callable:
-        return _settling(self, super()._wrap_compute(compute))
 
     @torch.jit.unused
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -8,8 +8,8 @@ from torchmetrics.wrappers import BootStrapper, MetricTracker
 
 from lightning_store._gather import _is_gather_on_device, gather_on_device
 from lightning_store._policy import _type_name
-from lightning_store.metrics._configured import _StatesOnCPU
-from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of, _settling
+from lightning_store.metrics._configured import _settling, _StatesOnCPU
+from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of
 from lightning_store.metrics._queue import DEFAULT_MAX_PENDING, _UpdateQueue
 
 __all__ = ["offload_to_cpu"]
