@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_store._policy import _type_name
+from lightning_store._policy import _check_positive_int
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -49,16 +49,8 @@ def _is_gather_on_device(fn: Any) -> bool:
 
 def _check_chunk_bytes(chunk_bytes: Any) -> None:
     """Raise an error that says how to fix ``chunk_bytes`` unless it is a positive ``int``."""
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
-        raise TypeError(
-            f"Expected chunk_bytes to be an int, got {chunk_bytes!r} ({_type_name(chunk_bytes)})."
-            f" HINT: pass a number of bytes, such as chunk_bytes={DEFAULT_CHUNK_BYTES} (the default)."
-        )
-    if chunk_bytes <= 0:
-        raise ValueError(
-            f"Expected chunk_bytes to be positive, got {chunk_bytes}."
-            f" HINT: pass a number of bytes, such as chunk_bytes={DEFAULT_CHUNK_BYTES} (the default)."
-        )
+    hint = f"pass a number of bytes, such as chunk_bytes={DEFAULT_CHUNK_BYTES} (the default)."
+    _check_positive_int(chunk_bytes, "chunk_bytes", hint)
 
 
 def _collective_device(tensor: Tensor, group: Any) -> torch.device:

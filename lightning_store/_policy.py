@@ -50,3 +50,11 @@ def _module_policy(explicit: bool | None, module: Any) -> bool | None:
     if default is None or default is True or default is False:  # performance: no message made on every call
         return default
     return _as_bool(default, f"{type(module).__name__}.store_on_cpu_default", optional=True)
+
+
+def _check_positive_int(value: Any, name: str, hint: str) -> None:
+    """Raise an error that says how to fix ``value`` (the argument ``name``) unless it is a positive ``int``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Expected {name} to be an int, got {value!r} ({_type_name(value)}). HINT: {hint}")
+    if value <= 0:
+        raise ValueError(f"Expected {name} to be positive, got {value}. HINT: {hint}")

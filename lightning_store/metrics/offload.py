@@ -7,15 +7,15 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.wrappers import BootStrapper, MetricTracker
 
 from lightning_store._gather import _is_gather_on_device, gather_on_device
-from lightning_store._policy import _type_name
+from lightning_store._policy import _check_positive_int
 from lightning_store.metrics._configured import _settling, _StatesOnCPU
 from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of
 from lightning_store.metrics._queue import DEFAULT_MAX_PENDING, _UpdateQueue
+from lightning_store.metrics.states import _ACCEPTED, _check_configurable
 
 __all__ = ["offload_to_cpu"]
 
 _Offloadable = TypeVar("_Offloadable", Metric, MetricCollection, MetricTracker)
-_ACCEPTED = (Metric, MetricCollection, MetricTracker)
 _EXAMPLE = "`self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200))`"
 
 
@@ -71,7 +71,7 @@ def offload_to_cpu(metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDI
 
     """
     _check_max_pending(max_pending)
-    _check(metric)
+    _check_configurable(metric, "offload_to_cpu", _EXAMPLE)
     queue = _queue_of(metric)
     if queue is not None:  # offloaded already: only the bound changes
         queue.max_pending = max_pending
@@ -97,29 +97,8 @@ def _configure(member: Module, queue: _UpdateQueue) -> None:
 
 
 def _check_max_pending(max_pending: Any) -> None:
-    if isinstance(max_pending, bool) or not isinstance(max_pending, int):
-        raise TypeError(
-            f"Expected max_pending to be an int, got {max_pending!r} ({_type_name(max_pending)})."
-            f" HINT: pass a number of updates, such as max_pending={DEFAULT_MAX_PENDING} (the default)."
-        )
-    if max_pending <= 0:
-        raise ValueError(
-            f"Expected max_pending to be positive, got {max_pending}."
-            f" HINT: pass a number of updates, such as max_pending={DEFAULT_MAX_PENDING} (the default)."
-        )
-
-
-def _check(metric: Any) -> None:
-    if isinstance(metric, type) and issubclass(metric, _ACCEPTED):
-        raise TypeError(
-            f"offload_to_cpu() got the class {metric.__name__} itself, not a Metric made from it."
-            f" HINT: call the class, with parentheses: `offload_to_cpu({metric.__name__}(...))`, as in {_EXAMPLE}."
-        )
-    if not isinstance(metric, _ACCEPTED):
-        raise TypeError(
-            "offload_to_cpu() takes a torchmetrics Metric (a wrapper too), MetricCollection or MetricTracker, got"
-            f" {_type_name(metric)}. HINT: pass the Metric itself, as in {_EXAMPLE}."
-        )
+    hint = f"pass a number of updates, such as max_pending={DEFAULT_MAX_PENDING} (the default)."
+    _check_positive_int(max_pending, "max_pending", hint)
 
 
 def _check_member(member: Module, root: Module) -> None:

@@ -18,21 +18,20 @@ __all__ = ["gather_on_device", "store_states_on_cpu"]
 
 _Configurable = TypeVar("_Configurable", Metric, MetricCollection, MetricTracker)
 _ACCEPTED = (Metric, MetricCollection, MetricTracker)
+_EXAMPLE = "`self.auroc = store_states_on_cpu(BinaryAUROC(thresholds=None))`"
 
 
-def _check(metric: Any) -> None:
-    """Raise an error that says how to fix ``metric`` unless ``store_states_on_cpu`` takes it."""
+def _check_configurable(metric: Any, function: str, example: str) -> None:
+    """Raise an error that says how to fix ``metric`` unless ``function`` (``store_states_on_cpu``...) takes it."""
     if isinstance(metric, type) and issubclass(metric, _ACCEPTED):
         raise TypeError(
-            f"store_states_on_cpu() got the class {metric.__name__} itself, not a Metric made from it."
-            f" HINT: call the class, with parentheses: `store_states_on_cpu({metric.__name__}(...))`, as in"
-            " `self.auroc = store_states_on_cpu(BinaryAUROC(thresholds=None))`."
+            f"{function}() got the class {metric.__name__} itself, not a Metric made from it."
+            f" HINT: call the class, with parentheses: `{function}({metric.__name__}(...))`, as in {example}."
         )
     if not isinstance(metric, _ACCEPTED):
         raise TypeError(
-            "store_states_on_cpu() takes a torchmetrics Metric (a wrapper too), MetricCollection or MetricTracker,"
-            f" got {_type_name(metric)}. HINT: pass the Metric itself, as in"
-            " `self.auroc = store_states_on_cpu(BinaryAUROC(thresholds=None))`."
+            f"{function}() takes a torchmetrics Metric (a wrapper too), MetricCollection or MetricTracker,"
+            f" got {_type_name(metric)}. HINT: pass the Metric itself, as in {example}."
         )
 
 
@@ -128,7 +127,7 @@ def store_states_on_cpu(metric: _Configurable, *, chunk_bytes: int = DEFAULT_CHU
 
     """
     _check_chunk_bytes(chunk_bytes)
-    _check(metric)
+    _check_configurable(metric, "store_states_on_cpu", _EXAMPLE)
     holders = _holders(metric)
     if not holders and any(map(_is_offloaded, metric.modules())):  # offloaded: its states are on the CPU already
         return metric
