@@ -24,14 +24,19 @@ exits with 1.
    ``update`` both ways: the worker shares the process (the GIL, the allocator) with it. Goal: at most 0.75.
 3. CPU, a tiny Metric: ``MeanMetric`` of a scalar, µs per ``update`` plain and offloaded, the caller's and in all
    (the updates and ``compute``, which waits for the worker): what offloading costs where there is nothing to save.
-4. GPU (only with CUDA): (a) the host syncs per ``update`` of an offloaded ``BinaryAUROC(thresholds=200)`` fed
+4. CPU, what the worker adds around each update, whatever the Metric: the caller's torch state applied, the guard
+   that refuses a draw from a global torch generator (a dispatch mode: a cost per op the update runs), its warnings
+   kept, Python's and NumPy's generators compared. An update's time as the worker runs it against the plain
+   ``update``, both in the main thread, for Metrics of few large ops, many small ops, and a tiny one. No goal: it
+   is time in the worker, off the caller, and costs the step only where the worker falls behind.
+5. GPU (only with CUDA): (a) the host syncs per ``update`` of an offloaded ``BinaryAUROC(thresholds=200)`` fed
    CUDA tensors, counted with ``torch.cuda.set_sync_debug_mode("warn")`` by the thread that made them, the first
    update apart (its one-time check copies the inputs at once); (b) the device bytes of its states; (c) the step
    time of a small CUDA model's training step with an offloaded ``MulticlassConfusionMatrix(num_classes=1000)``
    updated on 1,000,000 predictions against the same step without a Metric, the device synchronised around each
    timed loop only. Goals: 0 syncs per update after the first, 0 device bytes, a step ratio of at most 1.02.
 
-    python benchmarks/offload.py [--rounds 9] [--calls 5] [--threads 1] [--parts heavy loop tiny gpu]
+    python benchmarks/offload.py [--rounds 9] [--calls 5] [--threads 1] [--parts heavy loop tiny guard gpu]
     python benchmarks/offload.py --quick   # small sizes, 2 rounds: checks the script itself
 """
 
@@ -53,9 +58,12 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import offload_to_cpu
+from lightning_store.metrics._queue import _as_at_the_call
+from lightning_store.metrics._random import _drawn, _host_states
+from lightning_store.metrics._thread_state import _CallerState
 
 GOAL_UPDATE, GOAL_LOOP, GOAL_STEP = 0.05, 0.75, 1.02
-PARTS = ("heavy", "loop", "tiny", "gpu")
+PARTS = ("heavy", "loop", "tiny", "guard", "gpu")
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
 
 
@@ -293,7 +301,52 @@ def tiny(report: Report, rounds: int, updates: int) -> None:
     )
 
 
-# 4. GPU
+# 4. What the worker adds around each update: the caller's torch state, the guard, the generators compared
+
+GUARDED: dict[str, tuple[Callable[[], Metric], Callable, int]] = {
+    "BinaryAUROC(thresholds=200), 100,000 predictions (a loop over thresholds)": (
+        lambda: BinaryAUROC(thresholds=200),
+        _binary,
+        100_000,
+    ),
+    "BinaryAUROC(thresholds=200), 10,000 predictions": (lambda: BinaryAUROC(thresholds=200), _binary, 10_000),
+    "MulticlassConfusionMatrix(num_classes=1000), 100,000 predictions": (
+        lambda: MulticlassConfusionMatrix(num_classes=1000),
+        _multiclass,
+        100_000,
+    ),
+    "MeanMetric of a scalar": (MeanMetric, lambda n, generator: (torch.rand((), generator=generator),), 1),
+}
+
+
+def _as_in_the_worker(metric: Metric, inputs: tuple) -> None:
+    """``metric.update`` as the worker runs an update (in this thread, so that nothing else runs meanwhile)."""
+    before = _host_states()
+    with _as_at_the_call(_CallerState()):
+        metric.update(*inputs)
+    _drawn(before, _host_states())
+
+
+def guard(report: Report, rounds: int, updates: int) -> None:
+    rng = random.Random(3)
+    for name, (make, inputs, n) in GUARDED.items():
+        batch = inputs(n, torch.Generator().manual_seed(3))
+        row = Row("4", f"{name}: the worker's time per update, with what it adds", "µs", 1e6)
+        metrics = {"plain": make(), "as in the worker": make()}
+        for _ in range(rounds):
+            for way in _shuffled(list(metrics), rng):
+                metric = metrics[way]
+                metric.reset()
+                run = metric.update if way == "plain" else lambda *x, m=metric: _as_in_the_worker(m, x)
+                start = time.perf_counter()
+                for _ in range(updates):
+                    run(*batch)
+                (row.base if way == "plain" else row.offloaded).append((time.perf_counter() - start) / updates)
+            report.check(name, metrics["as in the worker"].compute(), metrics["plain"].compute())
+        report.rows.append(row)
+
+
+# 5. GPU
 
 
 class SyncCounter:
@@ -488,6 +541,8 @@ def main() -> None:
         loop(report, rounds, *((5, 1024, 32) if args.quick else (LOOP_STEPS, LOOP_BATCH, LOOP_WIDTH)))
     if "tiny" in args.parts:
         tiny(report, rounds, 200 if args.quick else 2000)
+    if "guard" in args.parts:
+        guard(report, rounds, 3 if args.quick else 20)
     if "gpu" in args.parts:
         if torch.cuda.is_available():
             gpu(report, rounds, args.quick, torch.device("cuda", torch.cuda.current_device()))

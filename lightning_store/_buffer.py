@@ -92,7 +92,7 @@ class _CUDATransfer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device)
-        self._pools: OrderedDict[tuple[torch.dtype, torch.Size], list[_Slot]] = OrderedDict()
+        self._pools: OrderedDict[tuple[torch.dtype, torch.Size, tuple[int, ...] | None], list[_Slot]] = OrderedDict()
 
     def start(self, tensor: Tensor, snapshot: bool = False) -> _Copy:
         """Start copying ``tensor`` to the CPU, holding it as it is now.
@@ -104,20 +104,13 @@ class _CUDATransfer:
         """
         if tensor.device != self.device:
             return _Landed(tensor)
-        key = (tensor.dtype, tensor.shape)
-        if key in self._pools:
-            self._pools.move_to_end(key)
-        elif len(self._pools) >= self.pool_shapes:
-            self._pools.popitem(last=False)  # its slots in flight go back to a pool no longer used, and are freed
-        pool = self._pools.setdefault(key, [])
-        if pool:
-            slot = pool.pop()
-        else:
-            with torch.inference_mode(False):  # made in an evaluation loop, it is reused outside one
-                slot = _Slot(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), pool)
         producer = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device):
-            source = tensor.clone() if snapshot else tensor  # on the producing stream, after the work it did
+            # the snapshot, on the producing stream after the work it did, has the layout `tensor.cpu()` would give
+            # (a dense view keeps its strides), and so has its host copy
+            source = tensor.clone() if snapshot else tensor
+            stride = source.stride() if snapshot else None
+            slot = self._slot(tensor.dtype, tensor.shape, stride)
             self._stream.wait_stream(producer)
             with torch.cuda.stream(self._stream):
                 slot.host.copy_(source, non_blocking=True)
@@ -127,6 +120,28 @@ class _CUDATransfer:
         # kept: the allocator reuses the memory on the stream that allocated it, not always the one made to wait
         source.record_stream(self._stream)
         return slot
+
+    def _slot(self, dtype: torch.dtype, shape: torch.Size, stride: tuple[int, ...] | None) -> _Slot:
+        """A pinned host tensor of this dtype, shape and stride (contiguous if ``None``), reused if one is free."""
+        key = (dtype, shape, stride)
+        if key in self._pools:
+            self._pools.move_to_end(key)
+        elif len(self._pools) >= self.pool_shapes:
+            self._pools.popitem(last=False)  # its slots in flight go back to a pool no longer used, and are freed
+        pool = self._pools.setdefault(key, [])
+        if pool:
+            return pool.pop()
+        with torch.inference_mode(False):  # made in an evaluation loop, it is reused outside one
+            host = torch.empty_strided(shape, stride or _contiguous(shape), dtype=dtype, pin_memory=True)
+        return _Slot(host, pool)
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    stride, strides = 1, []
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 @cache

@@ -13,6 +13,7 @@ from torchmetrics import CatMetric, Metric, MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, MulticlassAUROC
 from torchmetrics.regression import SpearmanCorrCoef
 from torchmetrics.text import ROUGEScore
+from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.wrappers import (
     BootStrapper,
     ClasswiseWrapper,
@@ -78,6 +79,39 @@ class MatrixTraces(Metric):
         for i, (matrix, count, flags) in enumerate(zip(self.matrices, self.counts, self.flags, strict=True)):
             total = total * 0.5 + (i + 1) * matrix.double().mean() + count + flags.sum()
         return total
+
+
+class Gram(Metric):
+    """A user's Metric with a matmul in its update: autocast runs it in a lower precision."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("gram", torch.zeros(4, 4), dist_reduce_fx="sum")
+
+    def update(self, x: Tensor) -> None:
+        self.gram += (x.T @ x).float()
+
+    def compute(self) -> Tensor:
+        return self.gram
+
+
+class SeesLayout(Metric):
+    """Keeps, at each update, the layout of its input and a sum over it (which adds in the order of its memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("seen", [], dist_reduce_fx="cat")
+
+    def update(self, x: Tensor) -> None:
+        layout = [*x.shape, *x.stride(), x.data_ptr() % 64, x.is_contiguous()]
+        layout.append(x.is_contiguous(memory_format=torch.channels_last) if x.dim() == 4 else -1)
+        self.seen.append(torch.tensor(layout, dtype=torch.float64))
+        self.seen.append(x.sum(dtype=torch.float32).reshape(1).double())
+
+    def compute(self) -> Tensor:
+        return dim_zero_cat(self.seen)
 
 
 def _reverse(items: list[Tensor]) -> list[Tensor]:

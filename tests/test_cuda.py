@@ -4,7 +4,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torchmetrics
-from _metrics import LastSeenFirst
+from _metrics import Gram, LastSeenFirst, SeesLayout
 from _support import LoggingModel, RecordingLogger, assert_same, loader, stored_tensors
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
@@ -352,7 +352,7 @@ def test_an_offloaded_metrics_update_makes_no_host_sync_after_the_first():
     batches = _offload_batches(30)
     for step, batch in enumerate(batches):
         for name, metric in metrics.items():
-            if step:  # the first update checks the Metric once, on inputs copied to the CPU at once
+            if step:  # the first update makes the pinned buffers and starts the worker
                 torch.cuda.set_sync_debug_mode("error")
             try:
                 metric.update(*batch[name])
@@ -422,3 +422,53 @@ def test_a_pinned_buffer_made_in_inference_mode_serves_a_copy_outside_it():
         copy = transfer.start(value, snapshot=snapshot)
         assert torch.equal(copy.wait(), value.cpu())
         copy.release()
+
+
+def test_an_offloaded_update_under_cuda_autocast_gives_the_plain_cpu_value():
+    """CUDA's autocast is carried into the worker, where it leaves CPU ops as they are: as in the plain CPU run."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    batches = [torch.randn(64, 4, device="cuda", generator=generator) for _ in range(3)]
+    metric, plain = offload_to_cpu(Gram()), Gram()
+    both = offload_to_cpu(Gram()), Gram()  # CUDA's and the CPU's autocast at once
+    for x in batches:
+        with torch.autocast("cuda", dtype=torch.float16):
+            metric.update(x)
+            plain.update(x.cpu())
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                both[0].update(x)
+                both[1].update(x.cpu())
+    assert torch.equal(metric.compute(), plain.compute())
+    assert torch.equal(both[0].compute(), both[1].compute())
+    assert not torch.equal(plain.compute(), both[1].compute())  # the CPU's autocast changed the plain value
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: x.T,
+        lambda x: x.view(2, 4, 8, 8).to(memory_format=torch.channels_last),
+        lambda x: x[:, ::2],
+        lambda x: x[:1].expand(16, 32),
+    ],
+    ids=["transposed", "channels_last", "every other column", "expanded"],
+)
+def test_an_input_on_the_gpu_lands_with_the_layout_tensor_cpu_gives(make):
+    x = make(torch.randn(16, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(0)))
+    metric, plain = offload_to_cpu(SeesLayout()), SeesLayout()
+    for _ in range(2):  # the second copy goes through a pinned buffer the first handed back
+        metric.update(x)
+        plain.update(x.cpu())
+    assert torch.equal(metric.compute(), plain.compute())
+
+
+def test_a_draw_from_the_cuda_generator_is_refused():
+    class DrawsOnCUDA(torchmetrics.SumMetric):
+        def update(self, value):
+            super().update(value + torch.rand((), device="cuda").cpu())
+
+    metric = offload_to_cpu(DrawsOnCUDA())
+    state = torch.cuda.get_rng_state()
+    metric.update(torch.ones(3, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"from torch's global CUDA generator \(aten\.rand\.default\)"):
+        metric.compute()
+    assert torch.equal(torch.cuda.get_rng_state(), state)

@@ -8,23 +8,33 @@ from torch import Tensor
 
 from lightning_store._buffer import _Copy, _Landed, _transfer_for
 
-_POOL_SIZE = 16  # CPU buffers kept per dtype and shape
-_POOL_SHAPES = 8  # the dtypes and shapes kept, the latest used: inputs of varying shapes (sentences...) keep few
-_host_pools: OrderedDict[tuple[torch.dtype, torch.Size], list[Tensor]] = OrderedDict()
+_POOL_SIZE = 16  # CPU buffers kept per dtype and length
+_POOL_SHAPES = 8  # the dtypes and lengths kept, the latest used: inputs of varying shapes (sentences...) keep few
+_host_pools: OrderedDict[tuple[torch.dtype, int], list[Tensor]] = OrderedDict()
+_ALIGNMENT = 64  # bytes: torch's CPU allocator aligns the memory of every tensor to it
 
 
 class _HostCopy:
-    """A CPU input's copy into a buffer reused from copy to copy.
+    """A CPU input's copy, with its layout, into a buffer reused from copy to copy.
+
+    The Metric gets the view the caller passed: the same sizes, strides (a transposed or ``channels_last`` tensor,
+    a slice, an ``expand``) and alignment in memory. An op over a view runs over its memory in another order than
+    over a contiguous copy (a sum adds in another order), and one that needs a contiguous tensor (``.view``) fails
+    on it, as on the plain Metric. What is copied is the memory the view spans, from its first element to its last
+    (with the gaps between them: a column of a matrix spans the matrix's rows).
 
     A copy into memory just allocated touches its pages for the first time, in the caller's thread: about half a
     millisecond a megabyte where an update's inputs are large. The worker takes a copy of its own from the buffer,
     off the step, and hands the buffer back.
     """
 
-    __slots__ = ("host", "pool")
+    __slots__ = ("host", "offset", "pool", "shape", "stride")
 
     def __init__(self, tensor: Tensor) -> None:
-        key = (tensor.dtype, tensor.shape)
+        self.shape, self.stride = tensor.shape, tensor.stride()
+        span = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride, strict=True))
+        self.offset = tensor.data_ptr() % _ALIGNMENT // tensor.element_size()
+        key = (tensor.dtype, self.offset + span)
         if key in _host_pools:
             _host_pools.move_to_end(key)
         elif len(_host_pools) >= _POOL_SHAPES:
@@ -34,11 +44,15 @@ class _HostCopy:
             self.host = self.pool.pop()
         else:
             with torch.inference_mode(False):  # made in an evaluation loop, it is reused outside one
-                self.host = torch.empty(tensor.shape, dtype=tensor.dtype)
-        self.host.copy_(tensor)
+                self.host = torch.empty(key[1], dtype=tensor.dtype)
+        self.host[self.offset :].copy_(tensor.as_strided((span,), (1,), tensor.storage_offset()))
 
     def wait(self) -> Tensor:
         return self.host
+
+    def landed(self) -> Tensor:
+        """The caller's view again, on memory of its own (a copy of the buffer), at the same alignment."""
+        return self.host.clone().as_strided(self.shape, self.stride, self.offset)
 
     def release(self) -> None:
         if len(self.pool) < _POOL_SIZE:
@@ -56,14 +70,20 @@ class _InFlight:
         self.copy: _Copy | _HostCopy
         if transfer is not None:
             self.copy = transfer.start(tensor, snapshot=True)  # the training stream never waits for the copy
-        elif tensor.is_cpu:
+        elif tensor.is_cpu and tensor.layout == torch.strided and not tensor.is_quantized and tensor.numel():
             self.copy = _HostCopy(tensor)
-        else:
-            self.copy = _Landed(tensor)  # another device (MPS): a blocking copy of its own
+        else:  # another device (MPS), or a tensor with no strided memory: a blocking copy of its own, as `.cpu()`
+            self.copy = _Landed(tensor)
 
     def land(self) -> Tensor:
-        """The CPU copy, a tensor of its own (the Metric may keep it); the buffer's memory is handed back."""
+        """The CPU copy, a tensor of its own (the Metric may keep it); the buffer's memory is handed back.
+
+        A CPU input lands with the caller's layout. One from a device lands with the layout ``tensor.cpu()`` gives
+        (a dense view, transposed or ``channels_last``, keeps its strides; another is made contiguous).
+        """
         try:
+            if isinstance(self.copy, _HostCopy):
+                return self.copy.landed()
             host = self.copy.wait()
             return host if isinstance(self.copy, _Landed) else host.clone()
         finally:
@@ -87,8 +107,3 @@ def _on_cpu_now(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def _to_cpu(tensor: Tensor) -> Tensor:
     return tensor if tensor.is_cpu else tensor.detach().to("cpu")
-
-
-def _cloned_on_cpu(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The inputs with each tensor copied to the CPU now, a copy of its own (a trial update may change it)."""
-    return apply_to_collection((args, kwargs), Tensor, lambda tensor: tensor.detach().to("cpu", copy=True))

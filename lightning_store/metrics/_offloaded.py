@@ -14,7 +14,6 @@ from lightning_store._gather import gather_on_device
 from lightning_store.metrics._configured import _SettledReads, _sync_lists_on_device
 from lightning_store.metrics._inputs import _land, _on_cpu_now, _start_copies
 from lightning_store.metrics._queue import _UpdateQueue
-from lightning_store.metrics._random import _refuse_random_numbers
 from lightning_store.metrics._worker import _Inline, _runs_inline
 
 _CPU = torch.device("cpu")
@@ -37,18 +36,14 @@ def _settle(obj: Module) -> None:
 def _queue_update(obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
     """Start copying the inputs to the CPU and queue ``update`` on them, for the worker (the caller never waits)."""
     queue = cast(_UpdateQueue, _queue_of(obj))
-    if not queue.probed:
-        ran = _refuse_random_numbers(obj, args, kwargs)
-        queue.probed = True
-        if ran:  # it could not be copied: its first update ran here
-            return
     started = _start_copies(args, kwargs)
-    queue.submit(functools.partial(_run_landed, update, started))
+    queue.submit(functools.partial(_run_landed, update, started), obj)
 
 
-def _run_landed(update: Callable, started: tuple[tuple, dict]) -> None:
+def _run_landed(update: Callable, started: tuple[tuple, dict]) -> tuple[tuple, dict]:
     args, kwargs = _land(started)
     update(*args, **kwargs)
+    return args, kwargs
 
 
 def _offloading(metric: Metric, update: Callable) -> Callable:
@@ -135,6 +130,16 @@ class _OffloadedContainer(Module):
         if name in _COLLECTION_BOOKKEEPING and not object.__getattribute__(self, "__dict__").get("_groups_checked"):
             _settle(self)
         return object.__getattribute__(self, name)
+
+    def _compute_groups_create_state_ref(self, copy: bool = False) -> None:
+        # a collection's `[key]`, `items()` and `values()` share (or copy) the states of a compute group's first
+        # Metric with the others: queued after the updates it must see, it keeps the step from waiting for them
+        own = super()._compute_groups_create_state_ref  # type: ignore[misc]
+        queue = _queue_of(self)
+        if _runs_inline() or queue is None or not queue.pending:
+            own(copy)
+        else:
+            queue.submit(functools.partial(own, copy))
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Queue the update of every Metric held, once, on the inputs copied once."""

@@ -1,74 +1,79 @@
-"""Refuse, before its first queued update, a Metric whose update draws from a global random number generator."""
+"""Draws from Python's and NumPy's global generators in the worker: seen after an update, then tried on a copy.
+
+torch's generators are guarded before a draw (``_guard.py``). Python's ``random`` and NumPy's ``np.random`` cannot
+be: nothing lets one thread's calls to them be refused and not another's. Their states are compared around each
+update in the worker; a change may be the update's or the training thread's, which draws at the same time. The
+update is then tried again on a copy of the Metric, in the worker, while the caller waits (so that nothing else
+draws): if the copy draws, the Metric does, and an error says so. The trial leaves every generator as it was.
+"""
 
 import copy
 import random
 import sys
 from typing import Any
 
-import torch
 from torch.nn import Module
 
-from lightning_store.metrics._inputs import _cloned_on_cpu
+from lightning_store.metrics._warnings import _kept_warnings
 from lightning_store.metrics._worker import _Inline
 
+_HostStates = tuple[Any, Any]
 
-def _generator_states() -> list[Any]:
-    """The states of the generators an update could draw from: torch's on the CPU, Python's, NumPy's if imported."""
-    states: list[Any] = [torch.random.get_rng_state(), random.getstate()]
+
+def _host_states() -> _HostStates:
+    """The states of Python's global generator and, if NumPy is imported, of NumPy's."""
     numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        states.append(numpy.random.get_state())
-    return states
+    return random.getstate(), (numpy.random.get_state(legacy=False) if numpy is not None else None)
 
 
-def _set_generator_states(states: list[Any]) -> None:
-    torch.random.set_rng_state(states[0])
-    random.setstate(states[1])
-    if len(states) > 2:
-        sys.modules["numpy"].random.set_state(states[2])
+def _set_host_states(states: _HostStates) -> None:
+    random.setstate(states[0])
+    if states[1] is not None:
+        sys.modules["numpy"].random.set_state(states[1])
 
 
-def _same(before: list[Any], after: list[Any]) -> bool:
-    if not torch.equal(before[0], after[0]) or before[1] != after[1]:
-        return False
-    if len(before) > 2:  # NumPy's: (name, keys, position, has_gauss, cached_gaussian)
-        numpy = sys.modules["numpy"]
-        return all(numpy.array_equal(a, b) for a, b in zip(before[2], after[2], strict=True))
-    return True
+def _drawn(before: _HostStates, after: _HostStates) -> list[str]:
+    """The names of the generators whose state differs between ``before`` and ``after``."""
+    drawn = [] if before[0] == after[0] else ["Python's `random`"]
+    if before[1] is not None and after[1] is not None and not _same_numpy(before[1], after[1]):
+        drawn.append("NumPy's `np.random`")
+    return drawn
 
 
-def _refuse_random_numbers(obj: Module, args: tuple, kwargs: dict) -> bool:
-    """Run the first update on a copy of ``obj``, here and now; raise if it drew random numbers.
+def _same_numpy(before: dict, after: dict) -> bool:
+    # {"bit_generator", "state": {"key", "pos"}, "has_gauss", "gauss"} (legacy=False)
+    return (
+        before["state"]["pos"] == after["state"]["pos"]
+        and before["has_gauss"] == after["has_gauss"]
+        and before["gauss"] == after["gauss"]
+        and bool((before["state"]["key"] == after["state"]["key"]).all())
+    )
 
-    Run later, in the worker, such an update would draw at another point of the random stream than the plain
-    Metric does, and move the stream the model draws from: both would silently change. The copy's update leaves
-    every generator as it was. An error the update raises is raised here, at the call, as the plain Metric's.
 
-    A Metric that cannot be copied (one holding a ``torch.Generator`` on torch < 2.4, say) runs its first update
-    itself, here, as the plain Metric would: the random numbers are then the plain ones, and the error, if it drew
-    any, says that this update was applied. Returns whether it ran so.
+class _Suspect:
+    """An update during which Python's or NumPy's generator changed: what is needed to try it again on a copy."""
+
+    __slots__ = ("args", "drawn", "kwargs", "number", "obj")
+
+    def __init__(self, obj: Module, number: int, args: tuple, kwargs: dict, drawn: list[str]) -> None:
+        self.obj, self.number, self.args, self.kwargs, self.drawn = obj, number, args, kwargs, drawn
+
+
+def _trial_draws(suspect: _Suspect) -> list[str] | None:
+    """Run the suspect's update again on a copy of its Metric; the generators it drew from (``None``: no copy).
+
+    Run in the worker while the caller waits, so that a change is the copy's. Every generator is set back after.
     """
     try:
-        trial = copy.deepcopy(obj)
+        trial = copy.deepcopy(suspect.obj)
     except Exception:
-        trial = None
-    before = _generator_states()
-    restore = trial is not None
+        return None
+    before = _host_states()
     try:
-        with _Inline():
-            args, kwargs = _cloned_on_cpu(args, kwargs)
-            (trial if trial is not None else obj).update(*args, **kwargs)  # type: ignore[operator]
-        drew = not _same(before, _generator_states())
+        with _Inline(), _kept_warnings():  # the trial's warnings are the update's own, given already: dropped
+            trial.update(*suspect.args, **suspect.kwargs)  # type: ignore[operator]
+        return _drawn(before, _host_states())
+    except Exception:
+        return []  # it raised before any draw it would make: the original update did not raise, so nothing is known
     finally:
-        if restore:
-            _set_generator_states(before)
-    if drew:
-        name = type(obj).__name__
-        applied = "" if trial is not None else " This first update was applied, in the caller's thread."
-        raise ValueError(
-            f"offload_to_cpu() got a {name} whose update draws random numbers from a global generator (torch's,"
-            " Python's or NumPy's): run in the background, it would draw them at another time than the plain"
-            f" Metric, changing both its values and the random numbers your model draws.{applied} HINT: keep the"
-            f" {name} as it is (not offloaded), or give its update a `torch.Generator` of its own, seeded once."
-        )
-    return trial is None
+        _set_host_states(before)

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from lightning_store.metrics._warnings import _install, _uninstall
 
 _local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
 
@@ -28,25 +28,19 @@ class _Inline:
 
 
 class _Job:
-    """One queued call: ``run()`` on a Metric's queue, numbered in that queue's order.
+    """One queued call on a Metric's queue: ``run()`` in the worker, with its caller's torch ``state``.
 
-    It keeps what of the caller's thread torch keeps per thread, and the worker runs the job with it:
-    - the number of torch threads: torch fixes a thread's own when it first runs a parallel op, and a reduction
-      split over another number of threads adds in another order (Lightning's DDP launcher, say, calls
-      ``torch.set_num_threads`` when the fit starts);
-    - grad and inference mode: Lightning's evaluation loops run under ``torch.inference_mode()``, where a state
-      reset there becomes an inference tensor, which only inference mode may change in place.
+    An update (of ``obj``) is numbered in its queue's order; another step of the queue has no number.
     """
 
-    __slots__ = ("grad", "inference", "number", "queue", "run", "threads")
+    __slots__ = ("number", "obj", "queue", "run", "state")
 
-    def __init__(self, queue: Any, number: int, run: Callable[[], None]) -> None:
+    def __init__(self, queue: Any, number: int | None, run: Callable[[], Any], state: Any, obj: Any) -> None:
         self.queue = queue
         self.number = number
         self.run = run
-        self.threads = torch.get_num_threads()
-        self.grad = torch.is_grad_enabled()
-        self.inference = torch.is_inference_mode_enabled()
+        self.state = state
+        self.obj = obj
 
 
 class _Worker:
@@ -72,6 +66,7 @@ class _Worker:
         """Queue ``job``; the caller holds ``lock`` and has counted it as pending on its queue."""
         if self.thread is None:
             _register_process_hooks()
+            _install()  # a warning an update gives in the thread is kept for its caller
             self.thread = threading.Thread(target=self._loop, name="lightning-store-offload", daemon=True)
             self.thread.start()
         self.jobs.append(job)
@@ -91,10 +86,7 @@ class _Worker:
                 job = self.jobs.popleft()
                 self.busy = True
             try:
-                if torch.get_num_threads() != job.threads:
-                    torch.set_num_threads(job.threads)
-                with torch.inference_mode(job.inference), torch.set_grad_enabled(job.grad):
-                    job.queue.run(job)
+                job.queue.run(job)
             finally:
                 with self.lock:
                     self.busy = False
@@ -121,6 +113,7 @@ class _Worker:
             thread = self.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(self.exit_timeout_s)
+        _uninstall()
 
 
 _worker = _Worker()

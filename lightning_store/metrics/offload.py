@@ -31,16 +31,26 @@ def offload_to_cpu(metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDI
     log the Metric object with ``on_step=False`` and call ``update`` in the step to keep it off the step.
 
     Every value is, bit for bit, that of the same Metric run plainly on the CPU with the same inputs (on a GPU, not
-    that of the Metric run on the GPU). The states stay on the CPU whatever ``.to()``, ``.cuda()`` or ``set_dtype``
-    does; dtype conversions follow torchmetrics. Across processes, ``compute`` syncs as the plain Metric does, with
+    that of the Metric run on the GPU). For that, each update runs in the worker as it would have run at its call:
+
+    - on its inputs with the layout the caller passed (strides, ``channels_last``, a view of a larger tensor), or,
+      for an input on a device, with the layout ``tensor.cpu()`` gives;
+    - with the caller's thread-local torch state: autocast (on every device type, with its dtype and cache), grad
+      and inference mode, the number of torch threads, subnormals flushed to zero or not;
+    - refusing, before it runs, an op that draws from a global torch generator (the CPU's, CUDA's), or one run
+      while torch's default dtype, a setting of the process, is not what it was at the call. A draw from Python's
+      or NumPy's global generator is found after the update, and tried again on a copy to tell it from a draw
+      of another thread. Either fails the update, as below.
+
+    The states stay on the CPU whatever ``.to()``, ``.cuda()`` or ``set_dtype`` does; dtype conversions follow
+    torchmetrics. Across processes, ``compute`` syncs as the plain Metric does, with
     :func:`~lightning_store.gather_on_device` (on the collective's device under NCCL), after this process's queue
     has run.
 
     An update that raises in the worker raises again, with its type, the Metric's name and the update's number,
     from the next call on the Metric; the updates queued behind it are not run (the error says how many), as the
-    calls after a raising ``update`` would not be. A Metric whose update draws random numbers from a global
-    generator (``BootStrapper``...) is refused: run later, it would change both its values and the model's random
-    numbers. That is checked on a copy, at the first ``update``.
+    calls after a raising ``update`` would not be. A warning it gives is given again at that next call, once, in
+    the caller's thread. ``BootStrapper``, which draws random numbers to resample every batch, is refused at once.
 
     One worker thread runs the updates of every offloaded Metric of the process. It uses torch's intra-op threads
     (``torch.set_num_threads``) as the training loop does, and shares the cores with DataLoader workers: offload pays
@@ -58,8 +68,8 @@ def offload_to_cpu(metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDI
 
     Raises:
         TypeError: if ``metric`` is not one of those (a class, say), or ``max_pending`` is not an int.
-        ValueError: if ``max_pending`` is not positive, or ``metric`` cannot be offloaded (it draws random numbers,
-            has a ``dist_sync_fn`` of its own, or was given to ``store_states_on_cpu``).
+        ValueError: if ``max_pending`` is not positive, or ``metric`` cannot be offloaded (a ``BootStrapper``, one
+            with a ``dist_sync_fn`` of its own, or one given to ``store_states_on_cpu``).
 
     Example:
         >>> import torch

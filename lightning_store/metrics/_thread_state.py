@@ -1,0 +1,119 @@
+"""What torch keeps per thread, taken at an offloaded update's call and applied in the worker while it runs."""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from lightning_store.metrics._guard import _Refused
+
+_Key = torch._C.DispatchKey
+# a dispatch mode sets these (the worker's own guard, or a mode of the caller's, which is not carried)
+_MODE_KEYS = torch._C.DispatchKeySet(_Key.Python).add(_Key.PythonTLSSnapshot).raw_repr()
+# the autocast key of each device type torch names one for (more on newer releases)
+_AUTOCAST_KEYS = {
+    device: getattr(_Key, key)
+    for device, key in {
+        "cpu": "AutocastCPU",
+        "cuda": "AutocastCUDA",
+        "xpu": "AutocastXPU",
+        "ipu": "AutocastIPU",
+        "hpu": "AutocastHPU",
+        "xla": "AutocastXLA",
+        "mps": "AutocastMPS",
+        "privateuseone": "AutocastPrivateUse1",
+    }.items()
+    if hasattr(_Key, key)
+}
+_AUTOCAST_BITS = {device: torch._C.DispatchKeySet(key).raw_repr() for device, key in _AUTOCAST_KEYS.items()}
+_SUBNORMAL, _ONE = 1e-310, 1.0  # a product of the two is 0.0 where the thread flushes subnormal numbers to zero
+
+
+def _dispatch_keys() -> tuple[int, int]:
+    """The dispatch keys this thread adds and removes (autocast, inference mode...), a dispatch mode's left out."""
+    included = torch._C._dispatch_tls_local_include_set().raw_repr() & ~_MODE_KEYS
+    excluded = torch._C._dispatch_tls_local_exclude_set().raw_repr() & ~_MODE_KEYS
+    return included, excluded
+
+
+def _flushes_subnormals() -> bool:
+    """Whether this thread computes with subnormal numbers flushed to zero (``torch.set_flush_denormal``)."""
+    return _SUBNORMAL * _ONE == 0.0
+
+
+def _autocast_dtype(device: str) -> torch.dtype:
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        return torch.get_autocast_dtype(device)
+    getter = {"cpu": "get_autocast_cpu_dtype", "cuda": "get_autocast_gpu_dtype"}.get(
+        device, f"get_autocast_{device}_dtype"
+    )
+    return getattr(torch, getter)()
+
+
+class _CallerState:
+    """The thread-local torch state of an update's caller, which the worker runs the update with.
+
+    Taken as a whole where torch keeps it as a whole, so that no part of it is missed:
+
+    - the dispatch keys the thread adds and removes, compared in the worker once the rest is applied: autocast on
+      or off for every device type, inference mode, and any other key a context manager sets (one this class does
+      not carry fails the update, with the keys it differs by);
+    - what goes with them: the dtype autocast casts to on each device type where it is on, and whether it caches;
+      grad mode; inference mode;
+    - the number of torch threads: torch fixes a thread's own when it first runs a parallel op, and a reduction
+      split over another number of threads adds in another order (Lightning's DDP launcher calls
+      ``torch.set_num_threads`` when the fit starts);
+    - whether subnormal numbers are flushed to zero (``torch.set_flush_denormal``), a setting of the CPU thread.
+
+    torch's default dtype is a setting of the process, not of a thread (Lightning's ``"bf16-true"`` and
+    ``"64-true"`` precisions change it around each step): it is taken too, and the worker's guard refuses an op
+    that would run under another (see ``_guard.py``).
+    """
+
+    __slots__ = ("autocast", "cache", "default_dtype", "flush", "grad", "inference", "keys", "threads")
+
+    def __init__(self) -> None:
+        self.threads = torch.get_num_threads()
+        self.grad = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.keys = _dispatch_keys()
+        self.autocast = _autocast_on(self.keys[1])
+        self.cache = torch.is_autocast_cache_enabled()
+        self.flush = _flushes_subnormals()
+        self.default_dtype = torch.get_default_dtype()
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """This thread's torch state set to the caller's while the block runs, and set back after it."""
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)  # kept after the block: the next update is most likely the same
+        flush = _flushes_subnormals()
+        if flush != self.flush:
+            torch.set_flush_denormal(self.flush)
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.inference_mode(self.inference))
+                stack.enter_context(torch.set_grad_enabled(self.grad))
+                for device, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=self.cache))
+                self._check_carried()
+                yield
+        finally:
+            if flush != self.flush:
+                torch.set_flush_denormal(flush)
+
+    def _check_carried(self) -> None:
+        here = _dispatch_keys()
+        if here != self.keys:
+            differ = torch._C.DispatchKeySet.from_raw_repr((here[0] ^ self.keys[0]) | (here[1] ^ self.keys[1]))
+            raise _Refused(
+                "it was called under thread-local torch state that lightning-store cannot carry into its offload"
+                f" worker: the dispatch keys {differ} differ from the caller's (a context such as a functorch"
+                " transform). Run in the worker, its values could differ from the plain Metric's.",
+                "call `update` outside that context, or keep this Metric as it is (not offloaded).",
+            )
+
+
+def _autocast_on(excluded: int) -> tuple[tuple[str, torch.dtype], ...]:
+    """The device types autocast is on for in this thread (its key is not excluded), with the dtype of each."""
+    return tuple((device, _autocast_dtype(device)) for device, bit in _AUTOCAST_BITS.items() if not excluded & bit)

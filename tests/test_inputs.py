@@ -1,0 +1,110 @@
+"""An offloaded update's inputs reach the Metric with the caller's layout: values and errors as the plain one's."""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from _metrics import SeesLayout
+from torch import Tensor
+from torchmetrics import CatMetric, MeanMetric, MeanSquaredError, SumMetric
+
+from lightning_store import offload_to_cpu
+from lightning_store.metrics import _inputs
+
+
+def _randn(*shape: int, seed: int = 0) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+LAYOUTS = {
+    "contiguous": lambda: _randn(64, 33),
+    "transposed": lambda: _randn(33, 64).T,
+    "permuted": lambda: _randn(4, 5, 6).permute(2, 0, 1),
+    "channels_last": lambda: _randn(2, 3, 8, 8).to(memory_format=torch.channels_last),
+    "channels_last, sliced": lambda: _randn(2, 3, 8, 10).to(memory_format=torch.channels_last)[..., ::2],
+    "every other column": lambda: _randn(40, 64)[:, ::2],
+    "offset in its storage": lambda: _randn(41, 64)[1:, 3:],
+    "one column": lambda: _randn(64, 33)[:, 5],
+    "expanded": lambda: _randn(1, 64).expand(40, 64),
+    "overlapping": lambda: torch.arange(100.0).as_strided((30, 8), (3, 1)),
+    "a scalar": lambda: torch.tensor(2.5),
+    "empty": lambda: _randn(0, 4),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_metric_sees_the_layout_the_caller_passed(layout):
+    plain, offloaded = SeesLayout(), offload_to_cpu(SeesLayout())
+    for _ in range(2):  # the second copy goes through a buffer the first handed back
+        x = LAYOUTS[layout]()
+        plain.update(x)
+        offloaded.update(x)
+    assert torch.equal(offloaded.compute(), plain.compute())
+
+
+@pytest.mark.parametrize(("make", "x"), [(MeanMetric, _randn(3, 4000).T), (SumMetric, _randn(33, 500).T)])
+def test_a_reduction_over_a_view_adds_as_the_plain_one(make, x):
+    plain, offloaded = make(), offload_to_cpu(make())
+    plain.update(x)
+    offloaded.update(x)
+    assert torch.equal(offloaded.compute(), plain.compute())
+    contiguous = make()
+    contiguous.update(x.contiguous())
+    assert not torch.equal(contiguous.compute(), plain.compute())  # the layout is what made them equal
+
+
+def test_an_input_the_plain_metric_rejects_for_its_layout_fails_every_update():
+    x = _randn(3, 50).T  # `MeanSquaredError` views it, which a transposed tensor does not allow
+    with pytest.raises(RuntimeError, match="view size is not compatible") as plain_error:
+        MeanSquaredError().update(x, x)
+    metric = offload_to_cpu(MeanSquaredError())
+    for number in (1, 2):
+        metric.update(x, x)
+        with pytest.raises(RuntimeError, match=f"at update #{number} since offload_to_cpu") as err:
+            metric.compute()
+        assert str(err.value.__cause__) == str(plain_error.value)
+
+
+def test_inputs_nested_in_collections_keep_their_layout():
+    class Nested(SeesLayout):
+        def update(self, items: list) -> None:
+            for item in items:
+                super().update(item["x"])
+
+    plain, offloaded = Nested(), offload_to_cpu(Nested())
+    items = [{"x": LAYOUTS["transposed"]()}, {"x": LAYOUTS["every other column"]()}]
+    plain.update(items)
+    offloaded.update(items)
+    assert torch.equal(offloaded.compute(), plain.compute())
+
+
+def test_cpu_copies_go_through_buffers_reused_and_kept_for_the_latest_lengths_only(monkeypatch):
+    monkeypatch.setattr(_inputs, "_host_pools", OrderedDict())  # none kept from other tests
+    metric, plain = offload_to_cpu(CatMetric()), CatMetric()
+    x = torch.arange(6.0)
+    offset = x.data_ptr() % 64 // 4
+    for _ in range(3):
+        metric.update(x)
+        plain.update(x.clone())
+        metric.compute()  # landed: its buffer is back in the pool
+        x.add_(1)
+    assert len(_inputs._host_pools[(torch.float32, offset + 6)]) == 1  # one buffer served the three copies
+    for n in range(1, 3 * _inputs._POOL_SHAPES):  # inputs of varying shapes
+        metric.update(torch.arange(float(n)))
+        plain.update(torch.arange(float(n)))
+    assert torch.equal(metric.compute(), plain.compute())
+    assert len(_inputs._host_pools) == _inputs._POOL_SHAPES
+
+
+def test_a_buffer_made_in_inference_mode_serves_a_copy_outside_it():
+    metric, plain = offload_to_cpu(CatMetric()), CatMetric()
+    shape = (7, 3)  # a shape no other test uses: its buffer is made below, in inference mode
+    with torch.inference_mode():  # Lightning's validation loop
+        x = torch.rand(shape)
+        metric.update(x)
+        plain.update(x.clone())
+        metric.compute()
+    y = torch.rand(shape)  # then the training loop, the same shape
+    metric.update(y)
+    plain.update(y.clone())
+    assert torch.equal(metric.compute(), plain.compute())
