@@ -1,15 +1,17 @@
 """What torch keeps per thread, taken at an offloaded update's call and applied in the worker while it runs."""
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from lightning_store.metrics._guard import _Refused
 
 _Key = torch._C.DispatchKey
+_KeySet = torch._C.DispatchKeySet
 # a dispatch mode sets these (the worker's own guard, or a mode of the caller's, which is not carried)
-_MODE_KEYS = torch._C.DispatchKeySet(_Key.Python).add(_Key.PythonTLSSnapshot).raw_repr()
+_MODE_KEYS = _KeySet(_Key.Python).add(_Key.PythonTLSSnapshot)
 # the autocast key of each device type torch names one for (more on newer releases)
 _AUTOCAST_KEYS = {
     device: getattr(_Key, key)
@@ -25,15 +27,21 @@ _AUTOCAST_KEYS = {
     }.items()
     if hasattr(_Key, key)
 }
-_AUTOCAST_BITS = {device: torch._C.DispatchKeySet(key).raw_repr() for device, key in _AUTOCAST_KEYS.items()}
 _SUBNORMAL, _ONE = 1e-310, 1.0  # a product of the two is 0.0 where the thread flushes subnormal numbers to zero
+# what tells two key sets apart: their bits (torch >= 2.4), else their names
+_identity: Callable[[Any], Any] = _KeySet.raw_repr if hasattr(_KeySet, "raw_repr") else repr
 
 
-def _dispatch_keys() -> tuple[int, int]:
+def _dispatch_keys() -> tuple[Any, Any]:
     """The dispatch keys this thread adds and removes (autocast, inference mode...), a dispatch mode's left out."""
-    included = torch._C._dispatch_tls_local_include_set().raw_repr() & ~_MODE_KEYS
-    excluded = torch._C._dispatch_tls_local_exclude_set().raw_repr() & ~_MODE_KEYS
-    return included, excluded
+    return (
+        torch._C._dispatch_tls_local_include_set() - _MODE_KEYS,
+        torch._C._dispatch_tls_local_exclude_set() - _MODE_KEYS,
+    )
+
+
+def _same(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    return _identity(a[0]) == _identity(b[0]) and _identity(a[1]) == _identity(b[1])
 
 
 def _flushes_subnormals() -> bool:
@@ -104,8 +112,9 @@ class _CallerState:
 
     def _check_carried(self) -> None:
         here = _dispatch_keys()
-        if here != self.keys:
-            differ = torch._C.DispatchKeySet.from_raw_repr((here[0] ^ self.keys[0]) | (here[1] ^ self.keys[1]))
+        if not _same(here, self.keys):
+            differ = (here[0] - self.keys[0]) | (self.keys[0] - here[0]) | (here[1] - self.keys[1])
+            differ = differ | (self.keys[1] - here[1])
             raise _Refused(
                 "it was called under thread-local torch state that lightning-store cannot carry into its offload"
                 f" worker: the dispatch keys {differ} differ from the caller's (a context such as a functorch"
@@ -114,6 +123,6 @@ class _CallerState:
             )
 
 
-def _autocast_on(excluded: int) -> tuple[tuple[str, torch.dtype], ...]:
+def _autocast_on(excluded: Any) -> tuple[tuple[str, torch.dtype], ...]:
     """The device types autocast is on for in this thread (its key is not excluded), with the dtype of each."""
-    return tuple((device, _autocast_dtype(device)) for device, bit in _AUTOCAST_BITS.items() if not excluded & bit)
+    return tuple((device, _autocast_dtype(device)) for device, key in _AUTOCAST_KEYS.items() if not excluded.has(key))
