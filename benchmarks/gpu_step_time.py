@@ -5,19 +5,21 @@ Five ways to log, in a real ``Trainer`` loop, with 1, 10 and 50 keys logged ever
 
   (a) no logging,  (b) ``self.log(name, value)`` kept on the device (plain Lightning),
   (c) ``self.log(name, value.cpu())`` (the naive offload),  (d) ``self.log(name, value, store_on_cpu=True)``,
-  (e) (d) with the copy ordering before issue 18: the training stream does not wait for the copy to the CPU, so
-      a change of the value in place right after the call could reach the copy (``d / e`` is what the fix costs).
+  (e) (d) without the ordering of the copy: the training stream does not wait for the copy to the CPU, so a
+      change of the value in place right after the call could reach the copy (``d / e`` is what the ordering costs).
 
 Runs are interleaved round after round in a shuffled order; each figure is the median over rounds of the
 measured epoch's time per step (the first epoch warms up). Then, for 10 keys on the small model: the bytes that
 logging state holds on the device during training (from ``storage_report``), the host-device syncs per step made
 inside the ``self.log`` calls (``torch.cuda.set_sync_debug_mode("warn")``), and how often a read of a stored value
-had to wait for its copy to land. Prints markdown tables; with ``--out DIR``, writes them and a PNG plot there.
+had to wait for its copy to land. Prints markdown tables and writes them, with the date, the machine, the versions
+and the command, to ``docs/performance/results/gpu_step_time.md`` (not with ``--quick`` or ``--no-docs``); with
+``--out DIR``, also a PNG plot there.
 
-Goals (issue 3): (d) within 2% of (b) in step time, no sync added per step by our code, no device memory held
-by CPU-stored keys.
+Goals: (d) within 2% of (b) in step time, no sync added per step by lightning-store, no device memory held by
+CPU-stored keys.
 
-    python benchmarks/gpu_step_time.py [--rounds 3] [--steps 100] [--out DIR]
+    python benchmarks/gpu_step_time.py [--rounds 3] [--steps 100] [--out DIR] [--no-docs]
     python benchmarks/gpu_step_time.py --device cpu --quick   # checks the script itself, without a GPU
 """
 
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from _tables import add_docs_option, publish
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
 
@@ -155,7 +158,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="1 round of 5 steps, small model, 1 and 10 keys")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="also write a PNG plot there")
+    add_docs_option(parser)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("No CUDA device: run this on a GPU, or pass --device cpu --quick to check the script itself.")
@@ -175,10 +179,10 @@ def main() -> None:
             timer, _ = fit(variant, model, keys, steps, args.device)
             times[(model, variant, keys)].append(timer.step_s)
 
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "the CPU (a check of the script only)"
     lines = [
-        f"{time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, pytorch-lightning {pl.__version__};"
-        f" {rounds} round(s) x {steps} steps; `python benchmarks/gpu_step_time.py`",
+        f"Step time on {where}: {rounds} round(s) of 2-epoch fits of {steps} steps, the ways in a shuffled order in"
+        " each round; each figure is the median over rounds of the second epoch's time per step.",
         "",
         "| model | keys | (a) none ms | (b) on device ms | (c) .cpu() ms | (d) store_on_cpu ms | d / b | c / b |"
         " (e) d, unordered ms | d / e |",
@@ -209,15 +213,13 @@ def main() -> None:
         finally:
             counter.restore()
         syncs = statistics.mean(module.syncs[len(module.syncs) // 2 :])  # steady state, the second epoch
-        waited = counter.blocked / (2 * max(steps, 10)) if variant[0] in "de" else float("nan")
-        lines.append(f"| {variant} | {timer.device_bytes} | {syncs:.2f} | {waited:.2f} |")
-    lines += ["", f"total {time.perf_counter() - started:.0f} s"]
-    report = "\n".join(lines)
-    print(report)
+        waited = f"{counter.blocked / (2 * max(steps, 10)):.2f}" if variant[0] in "de" else "-"  # nothing to wait for
+        lines.append(f"| {variant} | {timer.device_bytes} | {syncs:.2f} | {waited} |")
+    notes = [f"the whole run took {time.perf_counter() - started:.0f} s"]
+    publish("gpu_step_time", lines, notes, write=not (args.quick or args.no_docs or args.device != "cuda"))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_step_time.md").write_text(report + "\n")
-        write_plot(plot, key_counts, args.out / "gpu_step_time.png", lines[0])
+        write_plot(plot, key_counts, args.out / "gpu_step_time.png", where)
 
 
 def write_plot(plot, key_counts, path: Path, title: str) -> None:
@@ -236,7 +238,7 @@ def write_plot(plot, key_counts, path: Path, title: str) -> None:
         ax.set(title=f"{model} model", xlabel="keys logged per step", ylabel="step time (ms)", xscale="log")
         ax.set_xticks(key_counts, [str(k) for k in key_counts])
         ax.legend()
-    figure.suptitle(title.split(";")[0], fontsize=9)
+    figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     print(f"plot written to {path}")

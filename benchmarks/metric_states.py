@@ -14,6 +14,9 @@ values each per process, configured vs plain, side by side in one run: 2 gloo pr
 process per GPU with ``--device cuda``. torchmetrics gathers such a list element by element; the configured Metric
 in a bounded number of collectives. The synced lists are checked equal, element by element.
 
+Each prints its table and writes it, with the date, the machine, the versions and the command, to
+``docs/performance/results/metric_states_{update,sync}_{cpu,cuda}.md`` (``--no-docs``: print only).
+
     python benchmarks/metric_states.py [--updates 2000] [--batch 256]
     python benchmarks/metric_states.py --device cuda [--updates 2000] [--batch 4096]
     python benchmarks/metric_states.py --sync [--device cuda]
@@ -30,6 +33,7 @@ import warnings
 
 import torch
 import torch.multiprocessing as mp
+from _tables import add_docs_option, publish
 from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC
@@ -46,7 +50,7 @@ def make(variant: str, device: torch.device) -> BinaryAUROC:
     return store_states_on_cpu(metric) if variant == VARIANTS[2] else metric
 
 
-def cpu_per_update(updates: int, batch: int) -> None:
+def cpu_per_update(updates: int, batch: int, write: bool) -> None:
     torch.set_num_threads(1)
     device = torch.device("cpu")
     metrics = {v: make(v, device) for v in VARIANTS}
@@ -63,21 +67,27 @@ def cpu_per_update(updates: int, batch: int) -> None:
     values = {v: m.compute() for v, m in metrics.items()}
     assert all(torch.equal(values[VARIANTS[0]], value) for value in values.values())
     medians = {v: statistics.median(t) / 1000 for v, t in times.items()}
-    print(f"CPU, torch {torch.__version__}, one thread, {updates} updates of {batch} predictions each\n")
-    print("| variant | per `update` | ratio to on device | ratio to compute_on_cpu=True |")
-    print("| --- | --- | --- | --- |")
+    lines = [
+        f"`BinaryAUROC(thresholds=None)` on the CPU, one torch thread: {updates:,} updates of {batch} predictions"
+        " each, the three variants called in a shuffled order for every batch; the median time of `update`.",
+        "",
+        "| variant | per `update` | ratio to the plain Metric | ratio to `compute_on_cpu=True` |",
+        "| --- | --- | --- | --- |",
+    ]
     for v in VARIANTS:
-        print(
-            f"| {v} | {medians[v]:.1f} µs | {medians[v] / medians[VARIANTS[0]]:.3f} | "
-            f"{medians[v] / medians[VARIANTS[1]]:.3f} |"
+        name = "plain Metric" if v == VARIANTS[0] else f"`{v}`"
+        lines.append(
+            f"| {name} | {medians[v]:.1f} µs | {medians[v] / medians[VARIANTS[0]]:.3f} |"
+            f" {medians[v] / medians[VARIANTS[1]]:.3f} |"
         )
+    publish("metric_states_update_cpu", lines, ["the values of the three variants are equal"], write=write)
 
 
 def _list_state_device_bytes(metric: BinaryAUROC) -> int:
     return sum(t.numel() * t.element_size() for t in metric.preds + metric.target if not t.is_cpu)
 
 
-def gpu(updates: int, batch: int) -> None:
+def gpu(updates: int, batch: int, write: bool) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator(device=device).manual_seed(0)
     inputs = [
@@ -87,9 +97,15 @@ def gpu(updates: int, batch: int) -> None:
         )
         for _ in range(64)
     ]
-    print(f"GPU {torch.cuda.get_device_name(device)}, torch {torch.__version__}, {updates} updates of {batch}\n")
-    print("| variant | per `update` | syncs per update | device bytes of list states (peak) |")
-    print("| --- | --- | --- | --- |")
+    lines = [
+        f"`BinaryAUROC(thresholds=None)` on the GPU: {updates:,} updates of {batch} predictions each; the time per"
+        " update (the device synchronised at the ends only), the host syncs per update made by `update`, and the"
+        " device bytes of its list states at their peak.",
+        "",
+        "| variant | per `update` | host syncs per update | device bytes of list states (peak) |",
+        "| --- | --- | --- | --- |",
+    ]
+    notes = []
     for variant in VARIANTS:
         metric = make(variant, device)
         metric.update(*inputs[0])  # warm up: pinned pool, kernels
@@ -112,7 +128,8 @@ def gpu(updates: int, batch: int) -> None:
             torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchroniz" in str(w.message) for w in record) / 20
         metric.compute()
-        print(f"| {variant} | {per_update:.1f} µs | {syncs:.2f} | {peak} |")
+        name = "plain Metric" if variant == VARIANTS[0] else f"`{variant}`"
+        lines.append(f"| {name} | {per_update:.1f} µs | {syncs:.2f} | {peak:,} |")
     with tempfile.NamedTemporaryFile() as store:
         torch.distributed.init_process_group("nccl", init_method=f"file://{store.name}", rank=0, world_size=1)
         states = torch.rand(updates * batch)  # the epoch's predictions, on the CPU
@@ -121,8 +138,12 @@ def gpu(updates: int, batch: int) -> None:
             base = torch.cuda.memory_allocated(device)
             gather_on_device(states, chunk_bytes=chunk_bytes)
             peak = torch.cuda.max_memory_allocated(device) - base
-            print(f"\nsync of {states.numel() * 4} bytes with chunk_bytes={chunk_bytes}: device peak {peak} bytes")
+            notes.append(
+                f"a sync of {states.numel() * 4:,} bytes with `chunk_bytes={chunk_bytes:,}`: a device memory peak of"
+                f" {peak:,} bytes"
+            )
         torch.distributed.destroy_process_group()
+    publish("metric_states_update_cuda", lines, notes, write=write)
 
 
 class PerItem(Metric):
@@ -181,11 +202,11 @@ def _sync_worker(rank: int, world: int, port: int, backend: str, results: "mp.Qu
         assert len(got) == len(expected) and all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
         if rank == 0:
             configured, plain = (statistics.median(seconds[v]) for v in ("configured", "plain"))
-            results.put(f"| {count:,} | {configured * 1e3:.1f} ms | {plain * 1e3:.1f} ms | {plain / configured:.1f}x |")
+            results.put(f"| {count:,} | {configured * 1e3:.1f} ms | {plain * 1e3:.1f} ms | {plain / configured:.1f} |")
     torch.distributed.destroy_process_group()
 
 
-def sync_rows(device: str) -> None:
+def sync_rows(device: str, write: bool) -> None:
     if device == "cuda":
         backend, world = "nccl", torch.cuda.device_count()
         where = f"{world} NCCL process(es), one per GPU ({torch.cuda.get_device_name(0)})"
@@ -205,12 +226,17 @@ def sync_rows(device: str) -> None:
     for process in processes:
         process.join(timeout=1800)
         assert process.exitcode == 0, f"a sync worker failed (exit code {process.exitcode})"
-    print(f"Sync of a `dist_reduce_fx=None` list state, {where}, torch {torch.__version__};")
-    print(f"elements of 1 to 64 float32 values, the same number on every process; medians of {SYNC_REPEATS}\n")
-    print("| elements per process | configured | plain | plain / configured |")
-    print("| --- | --- | --- | --- |")
-    for _ in SYNC_COUNTS:
-        print(results.get())
+    lines = [
+        f"The sync of a list state kept one element per item (`dist_reduce_fx=None`), {where}: each process holds"
+        " that many elements of 1 to 64 float32 values; the configured and the plain Metric synced in turn, in a"
+        f" shuffled order, {SYNC_REPEATS} times each; the median wall time. The synced lists are checked equal,"
+        " element by element.",
+        "",
+        "| elements per process | configured | plain (torchmetrics, element by element) | plain / configured |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [results.get() for _ in SYNC_COUNTS]
+    publish(f"metric_states_sync_{device}", lines, write=write)
 
 
 def main() -> None:
@@ -219,13 +245,14 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--sync", action="store_true", help="time the sync of a list of one element per item")
+    add_docs_option(parser)
     args = parser.parse_args()
     if args.sync:
-        sync_rows(args.device)
+        sync_rows(args.device, not args.no_docs)
     elif args.device == "cuda":
-        gpu(args.updates, args.batch)
+        gpu(args.updates, args.batch, not args.no_docs)
     else:
-        cpu_per_update(args.updates, args.batch)
+        cpu_per_update(args.updates, args.batch, not args.no_docs)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ the storage report taken during the last training epoch and the final value of e
     python examples/quickstart.py
 """
 
+import shutil
+
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
@@ -72,7 +74,7 @@ def main() -> None:
     )
     trainer.fit(LitRegressor(), data(512, seed=1), data(128, seed=2))
     print(f"\nWhere each logged key kept its state during training (model on {trainer.strategy.root_device}):")
-    print(format_storage_report(report.rows))
+    print(format_storage_report(report.rows, width=shutil.get_terminal_size().columns))  # fits the terminal
     print("\nFinal values:")
     for name, value in sorted(trainer.callback_metrics.items()):
         print(f"  {name:<24} {value.item():.6f}  ({value.device})")

@@ -42,7 +42,9 @@ class _StoringResults:
                 value = value.to(device)
                 result.to(device)  # in place, as Lightning moved it to the value's device
             super().update_metrics(key, value, batch_size)  # type: ignore[misc]
-            self[key] = _stored_on_cpu_class(type(result)).adopt(result, device)  # type: ignore[index]
+            stored = _stored_on_cpu_class(type(result)).adopt(result, device)
+            stored._by_flag = _requested.get() is None  # for `storage_report`: the flag's, not the module's
+            self[key] = stored  # type: ignore[index]
             return
         super().update_metrics(key, value, batch_size)  # type: ignore[misc]
 

@@ -8,7 +8,7 @@ from torch.nn import Module
 from torchmetrics import Metric
 
 from lightning_store._collection import _install_on
-from lightning_store._policy import _as_bool, _type_name
+from lightning_store._policy import _as_bool, _by_flag, _type_name
 from lightning_store.metrics._offloaded import _is_offloaded
 from lightning_store.metrics._states import _owns_list_states
 from lightning_store.metrics.states import _ACCEPTED, _configure_together, _is_gather_on_device, _stores_states_on_cpu
@@ -67,6 +67,7 @@ def _store_states_of_torchmetrics(module: Module) -> None:
             chosen[path] = metric
     if chosen:
         _configure_together(list(chosen.values()))
+        _by_flag(chosen.values())
         named = ", ".join(f"`self.{path}` ({type(metric).__name__})" for path, metric in chosen.items())
         rank_zero_info(
             f"`Trainer(move_metrics_to_cpu=True)` keeps the list states of {named} on the CPU, as"

@@ -1,6 +1,8 @@
 """Which storage a logged value gets: validation of the options and resolution of ``store_on_cpu``."""
 
 import sys
+import weakref
+from collections.abc import Iterable
 from contextvars import ContextVar
 from typing import Any
 
@@ -12,6 +14,18 @@ _from_log_dict: ContextVar[bool | None] = ContextVar("lightning_store_log_dict_s
 # the module's answer for the `self.log` call that Lightning handles now (`StoreOnCPUMixin`: the argument, else
 # `store_on_cpu_default`), read by the Trainer's result collection; `None` leaves it to `Trainer(move_metrics_to_cpu)`
 _requested: ContextVar[bool | None] = ContextVar("lightning_store_requested", default=None)
+
+# the Metrics that `Trainer(move_metrics_to_cpu=True)` configured, by id (a Metric's hash reads its states)
+_configured_by_flag: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def _by_flag(metrics: Iterable[Any]) -> None:
+    """Remember that the flag, not the user, configured ``metrics`` (for ``storage_report``)."""
+    _configured_by_flag.update((id(metric), metric) for metric in metrics)
+
+
+def _is_configured_by_flag(metric: Any) -> bool:
+    return _configured_by_flag.get(id(metric)) is metric
 
 
 def _as_bool(value: Any, name: str, *, optional: bool) -> bool | None:

@@ -50,6 +50,7 @@ class _StoredOnCPU:
     _batch_size: int = -1  # and `_batch_size_tensor`, the last batch size as a tensor (see `_as_tensor`)
     _batch_size_tensor: Tensor
     _step_value: Tensor | None = None
+    _by_flag: bool = False  # stored by `Trainer(move_metrics_to_cpu=True)`, the module having left it open
 
     @classmethod
     def adopt(cls, result: Any, sync_device: torch.device) -> "_StoredOnCPU":

@@ -28,6 +28,7 @@ except ImportError as err:
 
 from lightning_store._flag import _init_with_flag
 from lightning_store._move_metrics import _MoveMetricsToCPUHooks
+from lightning_store._namespace import _refusing_the_other_namespace
 from lightning_store.mixin import StoreOnCPUMixin
 
 _check_lightning_version("lightning")
@@ -52,7 +53,8 @@ class Trainer(_lightning_pytorch.Trainer):
         **kwargs: as for ``lightning.pytorch.Trainer``.
 
     Raises:
-        TypeError: if ``move_metrics_to_cpu`` is not a bool.
+        TypeError: if ``move_metrics_to_cpu`` is not a bool; from ``fit``, ``validate``, ``test`` and ``predict``,
+            if the model is a LightningModule of ``pytorch_lightning`` (the error names the Trainer to import).
 
     Example:
         >>> trainer = Trainer(move_metrics_to_cpu=False, max_epochs=1, logger=False)
@@ -63,3 +65,7 @@ class Trainer(_lightning_pytorch.Trainer):
     move_metrics_to_cpu: bool
 
     __init__ = _init_with_flag(_lightning_pytorch.Trainer, _MoveMetricsToCPU)
+    fit = _refusing_the_other_namespace(_lightning_pytorch.Trainer.fit, "lightning.pytorch")
+    validate = _refusing_the_other_namespace(_lightning_pytorch.Trainer.validate, "lightning.pytorch")
+    test = _refusing_the_other_namespace(_lightning_pytorch.Trainer.test, "lightning.pytorch")
+    predict = _refusing_the_other_namespace(_lightning_pytorch.Trainer.predict, "lightning.pytorch")

@@ -8,6 +8,9 @@ from torchmetrics import Metric
 
 from lightning_store._collection import _install_on, _StoringResults
 from lightning_store._policy import _as_bool, _from_log_dict, _module_policy, _requested
+from lightning_store.metrics._offloaded import _is_offloaded
+from lightning_store.metrics._states import _owns_list_states
+from lightning_store.metrics.states import _stores_states_on_cpu
 from lightning_store.warnings import _warn_once
 
 if TYPE_CHECKING:
@@ -210,14 +213,10 @@ class StoreOnCPUMixin(_LogBase):
                 metric = f"<{type(value).__name__}>"
                 call = f"log_dict({{..., {name!r}: {metric}}}" if via_log_dict else f"log({name!r}, {metric}"
                 _warn_once(
-                    f"`self.{call}, store_on_cpu=True)`: a `torchmetrics.Metric`"
-                    " keeps its state on its own device, so it is logged as usual and not moved. Moving it would"
-                    " break its next `update` (its inputs are on the device) and its sync across processes (NCCL"
-                    " refuses CPU tensors). HINT: configure the Metric once and log it without `store_on_cpu`:"
-                    " `lightning_store.store_states_on_cpu(metric)` keeps the predictions and targets it gathers"
-                    " over an epoch on the CPU; `lightning_store.offload_to_cpu(metric)` keeps all of its states on"
-                    " the CPU and runs its updates off the training step. Or log the tensor it computes:"
-                    f" `self.log({name!r}, metric.compute(), store_on_cpu=True)`.",
+                    f"`self.{call}, store_on_cpu=True)`: a `torchmetrics.Metric` keeps its state on its own device,"
+                    " so it is logged as usual and not moved. Moving it would break its next `update` (its inputs"
+                    " are on the device) and its sync across processes (NCCL refuses CPU tensors)."
+                    + _metric_hint(value),
                     stacklevel=6 if via_log_dict else 4,
                 )
             return
@@ -226,3 +225,33 @@ class StoreOnCPUMixin(_LogBase):
         installed = trainer is None or isinstance(trainer.fit_loop.epoch_loop._results, _StoringResults)
         if not installed and self._fabric is None:
             _install_on(trainer)
+
+
+_LEAVE_IT = (
+    "log it without `store_on_cpu`; or set `store_on_cpu_default = True` on the LightningModule, which stores every"
+    " tensor it logs on the CPU and logs its Metrics as usual, and leave `store_on_cpu` out of this call."
+)
+
+
+def _metric_hint(metric: Metric) -> str:
+    """The HINT for a Metric logged with ``store_on_cpu=True``: only what keeps the values it logs.
+
+    ``store_states_on_cpu`` for a Metric whose list states (what grows over an epoch) are on its device; else
+    logging it without the option.
+    """
+    if _is_offloaded(metric):
+        return " HINT: its states are on the CPU already (`offload_to_cpu`): " + _LEAVE_IT
+    holders = [m for m in metric.modules() if isinstance(m, Metric) and _owns_list_states(m)]
+    if not holders:
+        return (
+            f" {type(metric).__name__} keeps no list state (only tensors that do not grow over an epoch): there is"
+            " nothing to move. HINT: " + _LEAVE_IT
+        )
+    if all(_stores_states_on_cpu(m) for m in holders):
+        return " HINT: its list states are on the CPU already (`store_states_on_cpu`): " + _LEAVE_IT
+    return (
+        f" {type(metric).__name__} keeps what it gathers over an epoch (every prediction and target) in list"
+        " states, on its device. HINT: to keep them on the CPU, configure the Metric once where it is made,"
+        " `lightning_store.store_states_on_cpu(metric)`, and log it without `store_on_cpu`. To leave it on its"
+        " device: " + _LEAVE_IT
+    )

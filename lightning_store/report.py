@@ -1,5 +1,6 @@
 """See where logged values live: one row per key Lightning keeps, with its device, bytes, reduction and sync."""
 
+import textwrap
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -9,6 +10,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_store._collection import _loop_results
+from lightning_store._policy import _is_configured_by_flag
 from lightning_store._result import _StoredOnCPU, _syncs
 from lightning_store.metrics._offloaded import _queue_of
 from lightning_store.metrics.states import _settle_states, _stores_states_on_cpu
@@ -26,22 +28,29 @@ class KeyStorage:
         name: the name given to ``self.log``.
         dataloader_idx: the dataloader it was logged for, if there are several.
         kind: ``"tensor"`` (tensors and numbers) or the class name of a logged ``Metric``.
-        store_on_cpu: whether the key is stored on the CPU by ``store_on_cpu``, or, for a ``Metric``, whether its
-            list states (or those of the Metrics it wraps) are, by :func:`~lightning_store.store_states_on_cpu` or
-            :func:`~lightning_store.offload_to_cpu`.
+        store_on_cpu: whether lightning-store keeps the key's state on the CPU: a tensor key's stored value, or,
+            for a ``Metric``, its list states (or those of the Metrics it wraps); ``set_by`` says what asked for it.
+        set_by: what keeps it on the CPU: ``"store_on_cpu"`` (the module's ``store_on_cpu=True`` or
+            ``store_on_cpu_default``), ``"flag"`` (``Trainer(move_metrics_to_cpu=True)``, for a tensor key the
+            module left open or a Metric it configured), :func:`~lightning_store.store_states_on_cpu` or
+            :func:`~lightning_store.offload_to_cpu`; ``"-"`` for nothing.
         device: where its tensors are now (``"cpu"``, ``"cuda:0"``...); ``"-"`` before any is kept.
         bytes: the bytes its tensors hold there.
         reduce_fx: the reduction over steps (``"mean"``, ``"sum"``...), or ``"compute"`` for a ``Metric``.
         sync_dist: whether it is reduced across processes.
         offloaded: for a ``Metric``, whether it (or a collection holding it) was given to
             :func:`~lightning_store.offload_to_cpu`, which keeps all of its states on the CPU.
-        pending_updates: for an offloaded ``Metric``, its updates queued and not yet run, when the row was made.
+        pending_updates: for an offloaded ``Metric``, its updates queued and not yet run when the row was made,
+            after its bytes were counted: reading its states waits for the updates queued before, so this is 0
+            unless another thread queued updates meanwhile.
         waited_s: for an offloaded ``Metric``, the seconds its ``update`` calls have waited, in all, for the queue
             to have room (``max_pending``).
 
     Example:
-        >>> KeyStorage("train", "training_step", "loss", None, "tensor", True, "cpu", 16, "mean", False).device
-        'cpu'
+        >>> row = KeyStorage("train", "training_step", "loss", None, "tensor",
+        ...                  True, "store_on_cpu", "cpu", 16, "mean", False)
+        >>> row.device, row.bytes
+        ('cpu', 16)
 
     """
 
@@ -51,6 +60,7 @@ class KeyStorage:
     dataloader_idx: int | None
     kind: str
     store_on_cpu: bool
+    set_by: str
     device: str
     bytes: int
     reduce_fx: str
@@ -63,8 +73,11 @@ class KeyStorage:
 def storage_report(trainer: Any) -> list[KeyStorage]:
     """One row per key that ``trainer`` keeps logged state for, in every loop that has logged.
 
-    Call it while the Trainer runs (from a callback, say) to see where values live during training: when a loop
-    ends, Lightning moves all of its logged state to the CPU, whatever the policy.
+    Call it while the loop you look at runs, from a callback's ``on_train_batch_end`` or
+    ``on_validation_batch_end`` (or that loop's ``on_*_epoch_end``). A logged ``Metric`` is reset when its loop's
+    epoch ends: in a fit, the validation epoch ends before ``on_train_epoch_end``, where the validation Metrics'
+    rows read ``"-"`` and 0 bytes. When a loop ends, Lightning moves all of its logged state to the CPU, whatever
+    the policy.
 
     Args:
         trainer: a ``Trainer`` of either Lightning namespace, fitted or running.
@@ -81,11 +94,19 @@ def storage_report(trainer: Any) -> list[KeyStorage]:
     return [_row(loop, result) for loop, results in _loops(trainer) for result in results.values()]
 
 
-def format_storage_report(rows: Iterable[KeyStorage]) -> str:
+# the columns `format_storage_report` leaves out first to fit a width: those that say least, last to first
+_KEPT_LONGEST = ("name", "set_by", "device", "bytes", "loop", "kind", "pending_updates", "hook", "store_on_cpu")
+_DEFAULTS = {"dataloader_idx": "-", "sync_dist": "False", "offloaded": "False", "pending_updates": "0"}
+
+
+def format_storage_report(rows: Iterable[KeyStorage], width: int | None = None) -> str:
     r"""A plain-text table of ``rows``, one line per key, for a terminal or a bug report.
 
     Args:
         rows: what :func:`storage_report` returned.
+        width: the most characters a line may have (a terminal's width, say): columns are left out until the
+            table fits, first those in which no row says anything (``dataloader_idx`` all ``-``, ``offloaded``
+            all ``False``...), then the least telling, and a last line names them. ``None``: every column.
 
     Returns:
         The table, with a header line.
@@ -99,8 +120,40 @@ def format_storage_report(rows: Iterable[KeyStorage]) -> str:
 
     """
     header = [field.name for field in fields(KeyStorage)]
-    lines = [header] + [[_cell(v) for v in asdict(row).values()] for row in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    columns = {name: [name] for name in header}
+    for row in rows:
+        for name, value in asdict(row).items():
+            columns[name].append(_cell(value))
+    left_out = []
+    for name in _drop_order(columns):
+        if width is None or _table_width(columns) <= width:
+            break
+        left_out.append(columns.pop(name)[0])
+    table = _render(columns)
+    if left_out:
+        note = f"(left out to fit the width: {', '.join(left_out)})"
+        table += "\n" + "\n".join(textwrap.wrap(note, max(width or 0, 20)))
+    return table
+
+
+def _drop_order(columns: dict[str, list[str]]) -> list[str]:
+    """The columns in the order to leave them out: those in which no row says anything, then the least telling."""
+    silent = [
+        name
+        for name, default in (*_DEFAULTS.items(), ("waited_s", "0.000"), ("set_by", "-"))
+        if all(cell == default for cell in columns[name][1:])
+    ]
+    by_use = [name for name in columns if name not in _KEPT_LONGEST] + list(reversed(_KEPT_LONGEST))
+    return [*silent, *(name for name in by_use if name not in silent and name != "name")]
+
+
+def _table_width(columns: dict[str, list[str]]) -> int:
+    return sum(max(map(len, cells)) for cells in columns.values()) + 2 * (len(columns) - 1)
+
+
+def _render(columns: dict[str, list[str]]) -> str:
+    widths = [max(map(len, cells)) for cells in columns.values()]
+    lines = zip(*columns.values(), strict=True)
     rendered = ("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in lines)
     return "\n".join(line.rstrip() for line in rendered)
 
@@ -120,35 +173,44 @@ def _loops(trainer: Any) -> Iterator[tuple[str, dict[str, Any]]]:
 def _row(loop: str, result: Any) -> KeyStorage:
     meta = result.meta
     queue = None if result.is_tensor else _queue_of(result.value)
-    pending = 0 if queue is None else queue.pending  # before the states are read, which waits for the queue
-    tensors = list(_held_tensors(result))
+    tensors = list(_held_tensors(result))  # for an offloaded Metric, this waits for the updates queued before
     devices = sorted({str(t.device) for t in tensors})
+    set_by = _set_by(result, queue is not None)
     return KeyStorage(
         loop=loop,
         hook=meta.fx.split(".")[0],
         name=meta.name,
         dataloader_idx=meta.dataloader_idx,
         kind="tensor" if result.is_tensor else type(result.value).__name__,
-        store_on_cpu=isinstance(result, _StoredOnCPU)
-        or (not result.is_tensor and (queue is not None or _keeps_states_on_cpu(result.value))),
+        store_on_cpu=set_by != "-",
+        set_by=set_by,
         device=",".join(devices) or "-",
         bytes=sum(t.numel() * t.element_size() for t in tensors),
         reduce_fx=meta.reduce_fx.__name__ if result.is_tensor else "compute",
         sync_dist=_syncs(meta.sync) if result.is_tensor else _metric_syncs(result.value),
         offloaded=queue is not None,
-        pending_updates=pending,
+        pending_updates=0 if queue is None else queue.pending,  # read after the states: consistent with the bytes
         waited_s=0.0 if queue is None else queue.waited_s,
     )
+
+
+def _set_by(result: Any, offloaded: bool) -> str:
+    """What keeps the key's state on the CPU (see :attr:`KeyStorage.set_by`)."""
+    if result.is_tensor:
+        if not isinstance(result, _StoredOnCPU):
+            return "-"
+        return "flag" if result._by_flag else "store_on_cpu"
+    if offloaded:
+        return "offload_to_cpu"
+    configured = [m for m in _metrics_in(result.value) if _stores_states_on_cpu(m)]
+    if not configured:
+        return "-"
+    return "flag" if all(_is_configured_by_flag(m) for m in configured) else "store_states_on_cpu"
 
 
 def _metrics_in(metric: Metric) -> list[Metric]:
     """A logged Metric and, for a wrapper (``BinaryTargetTransformer``, ``auroc + ap``...), the Metrics it holds."""
     return [m for m in metric.modules() if isinstance(m, Metric)]
-
-
-def _keeps_states_on_cpu(metric: Metric) -> bool:
-    """Whether a logged Metric, or a Metric it wraps, was given to ``store_states_on_cpu``."""
-    return any(_stores_states_on_cpu(m) for m in _metrics_in(metric))
 
 
 def _metric_syncs(metric: Metric) -> bool:

@@ -4,6 +4,7 @@ import pytorch_lightning as pl
 
 from lightning_store._flag import _init_with_flag
 from lightning_store._move_metrics import _MoveMetricsToCPUHooks
+from lightning_store._namespace import _refusing_the_other_namespace
 
 __all__ = ["Trainer"]
 
@@ -23,7 +24,8 @@ class Trainer(pl.Trainer):
         **kwargs: as for ``pytorch_lightning.Trainer``.
 
     Raises:
-        TypeError: if ``move_metrics_to_cpu`` is not a bool.
+        TypeError: if ``move_metrics_to_cpu`` is not a bool; from ``fit``, ``validate``, ``test`` and ``predict``,
+            if the model is a LightningModule of ``lightning.pytorch`` (the error names the Trainer to import).
 
     Example:
         >>> trainer = Trainer(move_metrics_to_cpu=False, max_epochs=1, logger=False)
@@ -35,3 +37,7 @@ class Trainer(pl.Trainer):
     move_metrics_to_cpu: bool
 
     __init__ = _init_with_flag(pl.Trainer, _MoveMetricsToCPU)
+    fit = _refusing_the_other_namespace(pl.Trainer.fit, "pytorch_lightning")
+    validate = _refusing_the_other_namespace(pl.Trainer.validate, "pytorch_lightning")
+    test = _refusing_the_other_namespace(pl.Trainer.test, "pytorch_lightning")
+    predict = _refusing_the_other_namespace(pl.Trainer.predict, "pytorch_lightning")

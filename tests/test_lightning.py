@@ -117,12 +117,53 @@ def test_the_flag_stores_a_plain_lightning_pytorch_module_on_cpu_with_the_values
     ]
 
 
-def test_the_pytorch_lightning_trainer_refuses_a_lightning_module(quiet_trainer_kwargs):
+@pytest.mark.parametrize("method", ["fit", "validate", "test", "predict"])
+def test_the_pytorch_lightning_trainer_refuses_a_lightning_pytorch_module_naming_the_import(
+    method, quiet_trainer_kwargs
+):
     import lightning_store
 
     trainer = lightning_store.Trainer(**quiet_trainer_kwargs, max_epochs=1)
-    with pytest.raises(TypeError, match="must be a `LightningModule`"):
-        trainer.fit(Model(), loader())
+    expected = (
+        "`lightning_store.Trainer` is a `pytorch_lightning.Trainer`, and `PlainModel` is a"
+        " `lightning.pytorch.LightningModule`: a Trainer takes the LightningModules of its own Lightning namespace"
+        " only. HINT: `from lightning_store.lightning import Trainer`, the same Trainer for `lightning.pytorch`."
+    )
+    with pytest.raises(TypeError) as info:
+        getattr(trainer, method)(PlainModel(), loader())
+    assert str(info.value) == expected
+    with pytest.raises(TypeError) as info:
+        trainer.fit(model=torch.compile(PlainModel()))  # by keyword, and compiled
+    assert str(info.value) == expected
+    # the hint, followed: the values of plain Lightning, with the flag too
+    plain = _fit(L.Trainer, quiet_trainer_kwargs, PlainModel())
+    with pytest.warns(StoreOnCPUDeprecationWarning):
+        stored = _fit(Trainer, quiet_trainer_kwargs, PlainModel(), move_metrics_to_cpu=True)
+    assert_same(dict(plain.callback_metrics), dict(stored.callback_metrics))
+
+
+def test_the_lightning_pytorch_trainer_refuses_a_pytorch_lightning_module_naming_the_import(quiet_trainer_kwargs):
+    import pytorch_lightning as pl
+    from _support import PlainLoggingModel
+
+    import lightning_store
+
+    trainer = Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.raises(TypeError) as info:
+        trainer.fit(PlainLoggingModel(), loader())
+    assert str(info.value) == (
+        "`lightning_store.lightning.Trainer` is a `lightning.pytorch.Trainer`, and `PlainLoggingModel` is a"
+        " `pytorch_lightning.LightningModule`: a Trainer takes the LightningModules of its own Lightning namespace"
+        " only. HINT: `from lightning_store import Trainer`, the same Trainer for `pytorch_lightning`."
+    )
+    # the hint, followed: the values of plain Lightning, with the flag too
+    torch.manual_seed(0)
+    plain = _fit(pl.Trainer, quiet_trainer_kwargs, PlainLoggingModel())
+    torch.manual_seed(0)
+    model = PlainLoggingModel()
+    with pytest.warns(StoreOnCPUDeprecationWarning):
+        stored = _fit(lightning_store.Trainer, quiet_trainer_kwargs, model, move_metrics_to_cpu=True)
+    assert_same(dict(plain.callback_metrics), dict(stored.callback_metrics))
 
 
 def _import_lightning_store_lightning(monkeypatch):

@@ -1,5 +1,6 @@
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -10,8 +11,9 @@ from _support import LoggingModel, RecordingLogger, all_results, assert_same, lo
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
-from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, StorePolicyError
+from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, StorePolicyError, offload_to_cpu, store_states_on_cpu
 from lightning_store._result import _StoredOnCPU
+from lightning_store.metrics.states import _stores_states_on_cpu
 
 result_module = pytest.importorskip("pytorch_lightning.trainer.connectors.logger_connector.result")
 
@@ -220,19 +222,137 @@ def test_metric_with_store_on_cpu_warns_and_is_logged_as_usual(quiet_trainer_kwa
     messages = [str(w.message) for w in record if issubclass(w.category, StoreOnCPUWarning)]
     assert len(messages) == 1  # once per key, although logged every step
     assert [w.filename for w in record if issubclass(w.category, StoreOnCPUWarning)] == [__file__]
-    assert (
-        "a `torchmetrics.Metric` keeps its state on its own device, so it is logged as usual and not moved"
-        in (messages[0])
+    assert messages[0].startswith(
+        "`self.log('metric', <SumMetric>, store_on_cpu=True)`: a `torchmetrics.Metric` keeps its state on its own"
+        " device, so it is logged as usual and not moved."
     )
-    assert "configure the Metric once and log it without `store_on_cpu`" in messages[0]
-    assert "`lightning_store.store_states_on_cpu(metric)` keeps the predictions and targets" in messages[0]
-    assert "`lightning_store.offload_to_cpu(metric)` keeps all of its states on the CPU" in messages[0]
-    assert "Or log the tensor it computes" in messages[0]
+    assert "compute()" not in messages[0] and "offload_to_cpu(" not in messages[0]  # neither keeps the logged values
     result = trainer.fit_loop.epoch_loop._results["training_step.metric"]
     assert not isinstance(result, _StoredOnCPU) and result.value is model.metric
     plain = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
     plain.fit(_MetricModel(), loader())
     assert torch.equal(trainer.callback_metrics["metric"], plain.callback_metrics["metric"])
+
+
+_METRIC_WARNING = (
+    "`self.log('metric', <{name}>, store_on_cpu=True)`: a `torchmetrics.Metric` keeps its state on its own device,"
+    " so it is logged as usual and not moved. Moving it would break its next `update` (its inputs are on the"
+    " device) and its sync across processes (NCCL refuses CPU tensors)."
+)
+_LEAVE_IT = (
+    "log it without `store_on_cpu`; or set `store_on_cpu_default = True` on the LightningModule, which stores every"
+    " tensor it logs on the CPU and logs its Metrics as usual, and leave `store_on_cpu` out of this call."
+)
+
+
+class _ClassifierModel(StoreOnCPUMixin, pl.LightningModule):
+    """Logs a binary classification Metric (``make()``, configured by ``configure``) and a loss, on step and epoch."""
+
+    def __init__(self, make, configure=None, **log_kwargs):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(3, 1)
+        self.metric = make() if configure is None else configure(make())
+        self.log_kwargs = log_kwargs
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        logits = self.layer(x).squeeze(-1)
+        target = (x[:, 0] > 0).long()
+        if isinstance(self.metric, torchmetrics.classification.BinaryAccuracy):
+            self.metric(logits.detach().sigmoid(), target)  # the batch value, logged on step
+            self.log("metric", self.metric, on_step=True, on_epoch=True, **self.log_kwargs)
+        else:
+            self.metric.update(logits.detach().sigmoid(), target)
+            self.log("metric", self.metric, on_step=False, on_epoch=True, **self.log_kwargs)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target.float())
+        self.log("loss", loss, on_step=True, on_epoch=True, **self.log_kwargs)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _ClassifierModelWithDefault(_ClassifierModel):
+    store_on_cpu_default = True
+
+
+def _logged(model, trainer_kwargs):
+    """What ``model`` logs in a 2-epoch fit (every step's values handed to the logger, then callback_metrics), and
+    the messages of the StoreOnCPUWarnings raised."""
+    recorder = RecordingLogger()
+    trainer = pl.Trainer(**{**trainer_kwargs, "logger": recorder}, max_epochs=2, log_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(n=24))
+    messages = [str(w.message) for w in caught if issubclass(w.category, StoreOnCPUWarning)]
+    return recorder.history, dict(trainer.callback_metrics), messages
+
+
+def _assert_logs_as_plain_lightning(logged, plain):
+    history, callback_metrics, messages = logged
+    assert [step for step, _ in history] == [step for step, _ in plain[0]]
+    for (_, values), (_, plain_values) in zip(history, plain[0], strict=True):
+        assert_same(values, plain_values)
+    assert_same(callback_metrics, plain[1])
+    assert messages == []
+
+
+def test_the_hint_for_a_metric_without_list_states_is_to_log_it_as_it_is(quiet_trainer_kwargs):
+    accuracy = torchmetrics.classification.BinaryAccuracy
+    plain = _logged(_ClassifierModel(accuracy), quiet_trainer_kwargs)
+    *_, messages = _logged(_ClassifierModel(accuracy, store_on_cpu=True), quiet_trainer_kwargs)
+    assert messages == [
+        _METRIC_WARNING.format(name="BinaryAccuracy")
+        + " BinaryAccuracy keeps no list state (only tensors that do not grow over an epoch): there is nothing to"
+        " move. HINT: " + _LEAVE_IT
+    ]
+    # the hint, followed: without `store_on_cpu`, or under `store_on_cpu_default` (the loss stored on the CPU)
+    _assert_logs_as_plain_lightning(_logged(_ClassifierModel(accuracy, store_on_cpu=None), quiet_trainer_kwargs), plain)
+    _assert_logs_as_plain_lightning(_logged(_ClassifierModelWithDefault(accuracy), quiet_trainer_kwargs), plain)
+
+
+def test_the_hint_for_a_metric_with_list_states_on_its_device_is_store_states_on_cpu(quiet_trainer_kwargs):
+    def auroc():
+        return torchmetrics.classification.BinaryAUROC(thresholds=None)
+
+    plain = _logged(_ClassifierModel(auroc), quiet_trainer_kwargs)
+    *_, messages = _logged(_ClassifierModel(auroc, store_on_cpu=True), quiet_trainer_kwargs)
+    assert messages == [
+        _METRIC_WARNING.format(name="BinaryAUROC")
+        + " BinaryAUROC keeps what it gathers over an epoch (every prediction and target) in list states, on its"
+        " device. HINT: to keep them on the CPU, configure the Metric once where it is made,"
+        " `lightning_store.store_states_on_cpu(metric)`, and log it without `store_on_cpu`. To leave it on its"
+        " device: " + _LEAVE_IT
+    ]
+    # the hint, followed: the Metric configured and logged without `store_on_cpu`; or left as it is
+    configured = _ClassifierModel(auroc, store_states_on_cpu, store_on_cpu=None)
+    _assert_logs_as_plain_lightning(_logged(configured, quiet_trainer_kwargs), plain)
+    assert _stores_states_on_cpu(configured.metric)
+    _assert_logs_as_plain_lightning(_logged(_ClassifierModel(auroc, store_on_cpu=None), quiet_trainer_kwargs), plain)
+    _assert_logs_as_plain_lightning(_logged(_ClassifierModelWithDefault(auroc), quiet_trainer_kwargs), plain)
+
+
+@pytest.mark.parametrize(
+    ("configure", "hint"),
+    [
+        (store_states_on_cpu, "its list states are on the CPU already (`store_states_on_cpu`)"),
+        (offload_to_cpu, "its states are on the CPU already (`offload_to_cpu`)"),
+    ],
+    ids=["store_states_on_cpu", "offload_to_cpu"],
+)
+def test_the_hint_for_a_metric_on_the_cpu_already_is_to_log_it_as_it_is(configure, hint, quiet_trainer_kwargs):
+    def auroc():
+        return torchmetrics.classification.BinaryAUROC(thresholds=None)
+
+    plain = _logged(_ClassifierModel(auroc), quiet_trainer_kwargs)
+    *_, messages = _logged(_ClassifierModel(auroc, configure, store_on_cpu=True), quiet_trainer_kwargs)
+    assert messages == [_METRIC_WARNING.format(name="BinaryAUROC") + f" HINT: {hint}: " + _LEAVE_IT]
+    # the hint, followed
+    _assert_logs_as_plain_lightning(
+        _logged(_ClassifierModel(auroc, configure, store_on_cpu=None), quiet_trainer_kwargs), plain
+    )
+    _assert_logs_as_plain_lightning(_logged(_ClassifierModelWithDefault(auroc, configure), quiet_trainer_kwargs), plain)
 
 
 def test_metric_under_module_default_gets_no_warning(quiet_trainer_kwargs, recwarn):

@@ -153,6 +153,28 @@ def test_on_a_machine_without_cuda_the_cpu_checks_pass_and_the_cuda_checks_skip_
     assert offload["data"]["cpu"]["same"] == {"BinaryAUROC": True, "MulticlassConfusionMatrix": True}
 
 
+@cpu_only
+def test_the_text_report_fits_the_terminals_width(tmp_path):
+    """The real report, every check run: the environment, each check's detail and the storage table wrap or drop
+    columns to fit ``COLUMNS``."""
+    env = {
+        **os.environ,
+        "COLUMNS": "80",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    process = subprocess.run(
+        [sys.executable, "-m", "lightning_store"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S
+    )
+    assert process.returncode == 0, process.stdout + process.stderr
+    lines = process.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    after = lines[lines.index("PASS  state on the CPU during the fit") :]
+    table = after[next(i for i, line in enumerate(after) if line.split()[:1] == ["loop"]) :]
+    assert table[0].split() == ["loop", "name", "kind", "set_by", "device", "bytes"]
+    assert table[1].split() == ["train", "loss", "tensor", "store_on_cpu", "cpu", "16"]
+    assert len(lines) < 80  # every check of a CPU machine on one screen or so
+
+
 def test_the_cli_leaves_no_file_behind(cli_run):
     _, cwd, tmp = cli_run
     assert list(cwd.iterdir()) == []  # no lightning_logs/, no checkpoints
@@ -166,26 +188,29 @@ def test_the_text_report_has_an_environment_block_a_line_per_check_and_a_summary
         _fake_checks(
             ("one", "first check", lambda _: Outcome("PASS", "fine", table="a  b\n1  2")),
             ("two", "second check", _skip),
-            ("three", "a figure", lambda _: Outcome("INFO", "ratio 1.00")),
+            ("three", "a measurement", lambda _: Outcome("INFO", "ratio 1.00")),
         ),
     )
+    monkeypatch.setenv("COLUMNS", "80")
     assert _cli.main(["--device", "cpu"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "lightning-store self-check"
     fits_run_on = "fits run on".ljust(len("CUDA_VISIBLE_DEVICES") + 2) + "cpu"  # labels aligned to the longest
     assert lines[2].startswith("python ") and fits_run_on in lines
     checks = lines[lines.index(fits_run_on) + 2 :]
-    assert checks[:5] == [
-        "PASS  first check".ljust(40) + "fine",
+    assert checks[:-3] == [
+        "PASS  first check",
+        "      fine",
         "      a  b",
         "      1  2",
-        "SKIP  second check".ljust(40) + "(not here)",
-        "INFO  a figure".ljust(40) + "ratio 1.00",
+        "SKIP  second check",
+        "      (not here)",
+        "INFO  a measurement",
+        "      ratio 1.00",
     ]
-    assert checks[-1].startswith("ok: 3 checks: 1 passed, 0 failed, 1 skipped, 1 figure; ")
-    assert re.fullmatch(
-        r".*; \d+\.\d s since the process started, imports included \(0\.\d s in the checks\)", checks[-1]
-    )
+    summary = " ".join(checks[-2:])  # wrapped to 80 characters
+    assert summary.startswith("ok: 3 checks: 1 passed, 0 failed, 1 skipped, 1 measurement; ")
+    assert re.fullmatch(r".*; \d+\.\d s since the process started, imports included \(0\.\d s in the checks\)", summary)
 
 
 def test_an_exception_inside_a_check_is_a_fail_with_its_message_the_others_still_run_and_the_exit_code_is_1(
@@ -210,8 +235,8 @@ def test_an_exception_inside_a_check_is_a_fail_with_its_message_the_others_still
     assert failed["status"] == "FAIL" and failed["detail"] == "RuntimeError: boom in the check"
     assert "raise RuntimeError" in failed["data"]["traceback"]
     text = capsys.readouterr().out
-    assert "FAIL  raises".ljust(40) + "RuntimeError: boom in the check" in text.splitlines()
-    assert "FAILED: 3 checks: 2 passed, 1 failed, 0 skipped, 0 figures; " in text
+    assert "FAIL  raises\n      RuntimeError: boom in the check\n" in text
+    assert "FAILED: 3 checks: 2 passed, 1 failed, 0 skipped, 0 measurements; " in text
 
 
 def test_a_real_check_that_finds_a_difference_fails_and_the_exit_code_is_1(monkeypatch, capsys):
@@ -544,8 +569,9 @@ def test_the_fits_ignore_the_users_trainer_defaults_and_the_report_says_so(monke
     assert _cli.main(["--device", "cpu"]) == 0
     assert seen == {"limit_val_batches": 1.0, "max_epochs": 2, "env": ["PL_GLOBAL_SEED"]}
     assert os.environ["PL_TRAINER_LIMIT_VAL_BATCHES"] == "0" and os.environ["PL_TRAINER_MAX_EPOCHS"] == "7"
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PL_* variables"))
-    assert line.split(None, 2)[2] == (
+    out = capsys.readouterr().out
+    block = out[out.index("PL_* variables") : out.index("CUDA_VISIBLE_DEVICES")]  # wrapped to the terminal's width
+    assert " ".join(block.split()[2:]) == (
         "PL_GLOBAL_SEED=3, PL_TRAINER_LIMIT_VAL_BATCHES=0 (ignored by the fits),"
         " PL_TRAINER_MAX_EPOCHS=7 (ignored by the fits)"
     )

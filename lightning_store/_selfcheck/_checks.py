@@ -13,7 +13,7 @@ CHECKS: list[Check] = [
     Check("cpu_storage", "state on the CPU during the fit", check_storage),
     Check("no_sync", "no host sync in self.log", check_no_sync),
     Check("nccl_sync_dist", "sync_dist through NCCL", check_nccl_sync_dist),
-    Check("step_time", "step time (figure)", check_step_time),
+    Check("step_time", "step time (measured)", check_step_time),
     Check("metric_states", "Metric list states on the CPU", check_metric_states),
     Check("metric_nccl_sync", "Metric sync through NCCL", check_metric_nccl_sync),
     Check("in_place", "changed in place after the call", check_in_place),

@@ -19,10 +19,10 @@ from ._render import check_line, environment_block, exit_code, json_document, su
 
 _DESCRIPTION = """\
 Check, on this machine, that lightning-store's store_on_cpu holds: short real Trainer fits on the best device
-found (CUDA, else MPS, else CPU) log the same values plainly and with store_on_cpu=True, and each check prints
-PASS, FAIL or SKIP (with its reason); the step-time ratio is a figure. Metrics given to store_states_on_cpu
-and offload_to_cpu are checked against the plain ones too. The fits ignore PL_TRAINER_* defaults (the report
-lists them). Nothing is downloaded or left behind."""
+found (CUDA, else MPS, else CPU; --device picks one) log the same values plainly and with store_on_cpu=True, and
+each check prints PASS, FAIL or SKIP (with its reason); the step-time ratio is measured, not checked. Metrics
+given to store_states_on_cpu and offload_to_cpu are checked against the plain ones too. The fits ignore
+PL_TRAINER_* defaults (the report lists them). Nothing is downloaded or left behind."""
 _EPILOG = """\
 exit status:
   0  every check that ran passed

@@ -16,7 +16,7 @@ class Skip(Exception):
 
 @dataclass
 class Outcome:
-    """What a check found: ``PASS`` or ``FAIL``, or ``INFO`` for a figure; ``data`` is for ``--json``."""
+    """What a check found: ``PASS`` or ``FAIL``, or ``INFO`` for a measurement; ``data`` is for ``--json``."""
 
     status: Status
     detail: str

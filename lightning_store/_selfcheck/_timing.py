@@ -65,7 +65,7 @@ def _step_time(context: Context, store_on_cpu: bool) -> float:
 
 
 def check_step_time(context: Context) -> Outcome:
-    """Check 5, a figure: the ratio of the median step times over fits alternated round by round."""
+    """Check 5, a measurement: the ratio of the median step times over fits alternated round by round."""
     times: dict[bool, list[float]] = {False: [], True: []}
     for store in (False, True):  # warm-up fits, not counted: the first fits of a process run slower
         _step_time(context, store)

@@ -13,6 +13,7 @@ from lightning_store.report import KeyStorage, format_storage_report, storage_re
 from ._compare import RTOL, Comparison, as_float, compare
 from ._core import Context, Outcome
 from ._fits import MemoryLogger, batches, make_trainer, quiet
+from ._render import INDENT, terminal_width
 
 FROM_CPU = "_from_cpu"  # suffix of the keys that log a CPU copy of a device value
 
@@ -179,4 +180,5 @@ def check_storage(context: Context) -> Outcome:
         "plain_accelerator_bytes": plain.probe.plain_accelerator_bytes,
         "storage_report": [asdict(row) for row in probe.last],
     }
-    return Outcome("FAIL" if problems else "PASS", detail, data, format_storage_report(probe.last))
+    table = format_storage_report(probe.last, width=terminal_width() - len(INDENT))
+    return Outcome("FAIL" if problems else "PASS", detail, data, table)

@@ -10,6 +10,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_store.metrics._guard import _Refused, _WorkerGuard
+from lightning_store.metrics._lag import _Lag
 from lightning_store.metrics._random import _drawn, _host_states, _Suspect, _trial_draws
 from lightning_store.metrics._thread_state import _CallerState
 from lightning_store.metrics._warnings import _kept_warnings, _users_frame, _warn_again
@@ -59,6 +60,7 @@ class _UpdateQueue:
         self.dropped = 0  # updates not run, dropped when the process began to exit
         self.warnings: list[tuple[str, warnings.WarningMessage]] = []
         self.suspect: _Suspect | None = None
+        self.lag = _Lag()
 
     def __deepcopy__(self, memo: dict) -> "_UpdateQueue":
         return self
@@ -79,18 +81,24 @@ class _UpdateQueue:
             with _Inline():
                 run()
             return
-        state = _CallerState()
+        state, waited = _CallerState(), None
         with worker.lock:
             if self.pending >= self.max_pending:
                 started = time.perf_counter()
                 while self.pending >= self.max_pending:
                     worker.changed.wait()
+                waited = time.perf_counter() - started
                 self.waits += 1
-                self.waited_s += time.perf_counter() - started
+                self.waited_s += waited
             self.pending += 1
             if obj is not None:
                 self.queued += 1
             worker.submit(_Job(self, self.queued if obj is not None else None, run, state, obj))
+        if obj is not None:
+            message = self.lag.count(waited, self.name, self.max_pending)
+            if message is not None:
+                frame = _users_frame()
+                _warn_once_at(message, frame.f_code.co_filename, frame.f_lineno)
 
     def run(self, job: _Job) -> None:
         """Run ``job`` in the worker, unless an earlier update of this queue raised."""
