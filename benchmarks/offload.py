@@ -62,8 +62,8 @@ from lightning_store.metrics._queue import _as_at_the_call
 from lightning_store.metrics._random import _drawn, _host_states
 from lightning_store.metrics._thread_state import _CallerState
 
-GOAL_UPDATE, GOAL_LOOP, GOAL_STEP = 0.05, 0.75, 1.02
-PARTS = ("heavy", "loop", "tiny", "guard", "gpu")
+GOAL_UPDATE, GOAL_LOOP, GOAL_LAUNCH, GOAL_STEP = 0.05, 0.75, 1.10, 1.02
+PARTS = ("heavy", "loop", "tiny", "guard", "launch", "gpu")
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
 
 
@@ -196,7 +196,7 @@ def heavy(report: Report, rounds: int, calls: int, sizes: tuple[int, ...]) -> No
 # 2. CPU, a training loop: the model on one thread, the update beside it
 
 
-LOOP_STEPS, LOOP_BATCH, LOOP_WIDTH, LOOP_FEATURES = 60, 8192, 48, 64
+LOOP_STEPS, LOOP_BATCH, LOOP_WIDTH, LOOP_FEATURES = 60, 8192, 96, 64
 
 
 def _mlp(features: int, width: int) -> torch.nn.Module:
@@ -346,7 +346,111 @@ def guard(report: Report, rounds: int, updates: int) -> None:
         report.rows.append(row)
 
 
-# 5. GPU
+# 5. CPU, a launch-bound step: many small ops in the training thread, as a host launching GPU kernels
+
+LAUNCH_OPS, LAUNCH_STEPS = 300, 60
+_WORDS = [f"w{i}" for i in range(200)]
+
+
+def _sentences(count: int, rng: random.Random) -> list[str]:
+    return [" ".join(rng.choices(_WORDS, k=rng.randint(8, 20))) for _ in range(count)]
+
+
+def _text_batch(count: int) -> Callable[[torch.Generator], tuple]:
+    def make(generator: torch.Generator) -> tuple:
+        rng = random.Random(int(torch.randint(0, 2**31, (), generator=generator)))
+        return _sentences(count, rng), _sentences(count, rng)
+
+    return make
+
+
+def _detection_batch(generator: torch.Generator) -> tuple:
+    def boxes(n: int) -> Tensor:
+        xy = torch.rand(n, 2, generator=generator) * 80
+        return torch.cat([xy, xy + 4 + torch.rand(n, 2, generator=generator) * 16], dim=1)
+
+    preds = [
+        {"boxes": boxes(20), "scores": torch.rand(20, generator=generator), "labels": torch.randint(0, 5, (20,))}
+        for _ in range(8)
+    ]
+    target = [{"boxes": boxes(10), "labels": torch.randint(0, 5, (10,), generator=generator)} for _ in range(8)]
+    return preds, target
+
+
+def _launch_metrics() -> dict[str, tuple[Callable[[], Metric], Callable[[torch.Generator], tuple]]]:
+    metrics: dict[str, tuple[Callable[[], Metric], Callable[[torch.Generator], tuple]]] = {
+        "BinaryAUROC(thresholds=200), 1,000 predictions": (
+            lambda: BinaryAUROC(thresholds=200),
+            lambda generator: _binary(1000, generator),
+        ),
+        "WordErrorRate, 32 sentences (Python)": (torchmetrics.text.WordErrorRate, _text_batch(32)),
+        "ROUGEScore (rouge1, rouge2, rougeL), 8 sentences (Python)": (
+            lambda: torchmetrics.text.ROUGEScore(rouge_keys=("rouge1", "rouge2", "rougeL")),
+            _text_batch(8),
+        ),
+    }
+    try:
+        import faster_coco_eval  # noqa: F401
+        from torchmetrics.detection import MeanAveragePrecision
+
+        metrics["MeanAveragePrecision (faster_coco_eval), 8 images"] = (
+            lambda: MeanAveragePrecision(backend="faster_coco_eval"),
+            _detection_batch,
+        )
+    except ImportError:
+        pass
+    return metrics
+
+
+def _launch_bound_steps(metric: Metric | None, batches: list[tuple], steps: int) -> float:
+    """The time per step of ``steps`` steps of ``LAUNCH_OPS`` small ops, a Metric updated in each, then settled."""
+    x = torch.ones(16)
+    start = time.perf_counter()
+    for step in range(steps):
+        y = x
+        for _ in range(LAUNCH_OPS // 3):
+            y = y.mul(1.0001).add(0.0001).relu()
+        if metric is not None:
+            metric.update(*batches[step % len(batches)])
+    if metric is not None and hasattr(metric, "_offload"):
+        _settle(metric)  # the work the worker still has is the step's too
+    return (time.perf_counter() - start) / steps
+
+
+def launch(report: Report, rounds: int, steps: int) -> None:
+    rng = random.Random(4)
+    for name, (make, inputs) in _launch_metrics().items():
+        generator = torch.Generator().manual_seed(4)
+        batches = [inputs(generator) for _ in range(8)]
+        ways: dict[str, Metric | None] = {"none": None, "inline": make(), "offloaded": offload_to_cpu(make())}
+        for metric in ways.values():  # warm-up
+            _launch_bound_steps(metric, batches, 3)
+        offloaded = Row("5", f"launch-bound step, {name}: offloaded vs no Metric", "ms", 1e3, GOAL_LAUNCH)
+        inline = Row("5", f"launch-bound step, {name}: inline vs no Metric", "ms", 1e3)
+        for _ in range(rounds):
+            for metric in ways.values():
+                if metric is not None:
+                    metric.reset()
+            per_way = {way: _launch_bound_steps(ways[way], batches, steps) for way in _shuffled(list(ways), rng)}
+            for row, way in ((offloaded, "offloaded"), (inline, "inline")):
+                row.base.append(per_way["none"])
+                row.offloaded.append(per_way[way])
+            report.check(name, _flat_value(ways["offloaded"]), _flat_value(ways["inline"]))
+        report.rows += [offloaded, inline]
+    if "MeanAveragePrecision (faster_coco_eval), 8 images" not in _launch_metrics():
+        report.notes.append("launch-bound step: MeanAveragePrecision left out: `pip install faster-coco-eval` adds it")
+
+
+def _flat_value(metric: Metric | None) -> Tensor:
+    """A Metric's value as one tensor (a dict of values, ROUGE's and mAP's, in key order)."""
+    assert metric is not None
+    value = metric.compute()
+    if isinstance(value, dict):
+        return torch.stack([value[key].float().reshape(-1)[0] for key in sorted(value)])
+    return value
+
+
+# 6. GPU
 
 
 class SyncCounter:
@@ -543,6 +647,8 @@ def main() -> None:
         tiny(report, rounds, 200 if args.quick else 2000)
     if "guard" in args.parts:
         guard(report, rounds, 3 if args.quick else 20)
+    if "launch" in args.parts:
+        launch(report, rounds, 10 if args.quick else LAUNCH_STEPS)
     if "gpu" in args.parts:
         if torch.cuda.is_available():
             gpu(report, rounds, args.quick, torch.device("cuda", torch.cuda.current_device()))

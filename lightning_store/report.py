@@ -45,6 +45,9 @@ class KeyStorage:
             unless another thread queued updates meanwhile.
         waited_s: for an offloaded ``Metric``, the seconds its ``update`` calls have waited, in all, for the queue
             to have room (``max_pending``).
+        worker_behind: for an offloaded ``Metric``, whether its worker fell behind the calls over the latest 50
+            updates (half of them waited for room): the step then waits for the Metric's work anyway, and
+            offloading it costs more than it saves (a ``StoreOnCPUWarning`` says so, once).
 
     Example:
         >>> row = KeyStorage("train", "training_step", "loss", None, "tensor",
@@ -68,6 +71,7 @@ class KeyStorage:
     offloaded: bool = False
     pending_updates: int = 0
     waited_s: float = 0.0
+    worker_behind: bool = False
 
 
 def storage_report(trainer: Any) -> list[KeyStorage]:
@@ -96,7 +100,13 @@ def storage_report(trainer: Any) -> list[KeyStorage]:
 
 # the columns `format_storage_report` leaves out first to fit a width: those that say least, last to first
 _KEPT_LONGEST = ("name", "set_by", "device", "bytes", "loop", "kind", "pending_updates", "hook", "store_on_cpu")
-_DEFAULTS = {"dataloader_idx": "-", "sync_dist": "False", "offloaded": "False", "pending_updates": "0"}
+_DEFAULTS = {
+    "dataloader_idx": "-",
+    "sync_dist": "False",
+    "offloaded": "False",
+    "pending_updates": "0",
+    "worker_behind": "False",
+}
 
 
 def format_storage_report(rows: Iterable[KeyStorage], width: int | None = None) -> str:
@@ -116,7 +126,7 @@ def format_storage_report(rows: Iterable[KeyStorage], width: int | None = None) 
         loop
         hook
         ...
-        waited_s
+        worker_behind
 
     """
     header = [field.name for field in fields(KeyStorage)]
@@ -191,6 +201,7 @@ def _row(loop: str, result: Any) -> KeyStorage:
         offloaded=queue is not None,
         pending_updates=0 if queue is None else queue.pending,  # read after the states: consistent with the bytes
         waited_s=0.0 if queue is None else queue.waited_s,
+        worker_behind=queue is not None and queue.lag.behind,
     )
 
 

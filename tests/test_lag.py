@@ -4,19 +4,27 @@ import time
 import warnings
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
-from lightning_store import StoreOnCPUWarning, offload_to_cpu
+from lightning_store import StoreOnCPUWarning, offload_to_cpu, storage_report
 from lightning_store.metrics._lag import WINDOW
 from lightning_store.metrics._offloaded import _queue_of
 
 
 class Slow(SumMetric):
+    seconds = 0.002  # a step of the tests' loops takes less
+
     def update(self, value: Tensor) -> None:
-        time.sleep(0.002)
+        time.sleep(self.seconds)
         super().update(value)
+
+
+class Slower(Slow):
+    seconds = 0.02  # a step of a short Lightning fit takes less
 
 
 def test_a_worker_that_falls_behind_is_said_once_at_the_callers_line():
@@ -43,3 +51,33 @@ def test_a_worker_that_keeps_up_says_nothing():
             _queue_of(metric).settle()  # a step long enough for the worker
     assert not _queue_of(metric).lag.behind
     assert metric.compute() == 2 * WINDOW
+
+
+class SlowMetricModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.slow = offload_to_cpu(Slower(), max_pending=1)
+        self.rows: list = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        self.slow.update(x.sum().detach())
+        self.log("slow", self.slow, on_step=False, on_epoch=True)
+        return self.layer(x).sum()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if batch_idx == 2 * WINDOW - 1:  # the report reads the states: taken every step, it would hold the worker
+            self.rows = storage_report(self.trainer)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_storage_report_says_when_the_worker_falls_behind(quiet_trainer_kwargs):
+    model = SlowMetricModel()
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.warns(StoreOnCPUWarning, match="Slower: its offload worker falls behind"):
+        trainer.fit(model, DataLoader(TensorDataset(torch.ones(2 * WINDOW, 2)), batch_size=1))
+    (row,) = model.rows
+    assert row.name == "slow" and row.offloaded and row.worker_behind and row.waited_s > 0

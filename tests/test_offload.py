@@ -501,3 +501,19 @@ def test_an_update_runs_in_the_callers_inference_mode():
             m.update(torch.tensor(2.0))  # changes it in place: only inference mode may
             m.update(torch.tensor(3.0))
         _assert_same(metric.compute(), plain.compute())
+
+
+def test_walking_a_modules_children_does_not_wait_for_the_queue():
+    model = torch.nn.Module()
+    model.metric = offload_to_cpu(Gated())
+    model.metric.update(torch.ones(5))
+    model.metric.compute()
+    GATE.clear()
+    model.metric.update(torch.ones(5))  # held queued
+    assert [name for name, _ in model.named_modules()] == ["", "metric"]  # torchmetrics' hash reads the states
+    list(model.parameters())
+    model.train()
+    assert _queue_of(model.metric).pending == 1
+    GATE.set()
+    assert model.metric.compute() == 2 * 10
+    assert len({model.metric, offload_to_cpu(Gated())}) == 2

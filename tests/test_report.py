@@ -83,12 +83,12 @@ _ROWS = [
     KeyStorage("validate", "validation_step", "acc", 1, "Accuracy", False, "-", "cuda:0", 8, "compute", True),
     KeyStorage(
         *("train", "training_step", "auroc", None, "BinaryAUROC", True, "offload_to_cpu", "cpu", 8, "compute"),
-        *(False, True, 3, 0.25),
+        *(False, True, 3, 0.25, True),
     ),
 ]
 _HEADER = [
     *("loop", "hook", "name", "dataloader_idx", "kind", "store_on_cpu", "set_by", "device", "bytes", "reduce_fx"),
-    *("sync_dist", "offloaded", "pending_updates", "waited_s"),
+    *("sync_dist", "offloaded", "pending_updates", "waited_s", "worker_behind"),
 ]
 
 
@@ -97,11 +97,11 @@ def test_the_table_has_a_header_and_a_line_per_row():
     assert lines[0].split() == _HEADER
     assert lines[1].split() == [
         *("train", "training_step", "loss", "-", "tensor", "True", "store_on_cpu", "cpu", "20", "mean", "False"),
-        *("False", "0", "0.000"),
+        *("False", "0", "0.000", "False"),
     ]
-    assert lines[3].split()[-3:] == ["True", "3", "0.250"]
+    assert lines[3].split()[-4:] == ["True", "3", "0.250", "True"]
     assert lines[2].split()[7] == "cuda:0"
-    assert all(len(line.split()) == 14 for line in lines)
+    assert all(len(line.split()) == 15 for line in lines)
 
 
 def test_a_width_leaves_out_the_silent_columns_first_then_the_least_telling_and_says_which():
@@ -113,15 +113,16 @@ def test_a_width_leaves_out_the_silent_columns_first_then_the_least_telling_and_
         "train  training_step  loss  tensor  True          store_on_cpu  cpu     20",
     ]
     assert " ".join(lines[2:]) == (
-        "(left out to fit the width: dataloader_idx, sync_dist, offloaded, pending_updates, waited_s, reduce_fx)"
+        "(left out to fit the width: dataloader_idx, sync_dist, offloaded, pending_updates, worker_behind, waited_s,"
+        " reduce_fx)"
     )
     lines = format_storage_report(_ROWS, width=60).splitlines()
     assert lines[0].split() == ["loop", "name", "kind", "set_by", "device", "bytes"]
     assert lines[1].split() == ["train", "loss", "tensor", "store_on_cpu", "cpu", "20"]
     assert max(len(line) for line in lines) <= 60
     assert " ".join(lines[4:]) == (
-        "(left out to fit the width: dataloader_idx, reduce_fx, sync_dist, offloaded, waited_s, store_on_cpu,"
-        " hook, pending_updates)"
+        "(left out to fit the width: dataloader_idx, reduce_fx, sync_dist, offloaded, waited_s, worker_behind,"
+        " store_on_cpu, hook, pending_updates)"
     )
 
 

@@ -90,13 +90,27 @@ class _InFlight:
             self.copy.release()
 
 
+_FLAT = (Tensor, int, float, bool, str, type(None))  # what an update's arguments most often are: no collection
+
+
 def _start_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each tensor, at any depth (lists, tuples, dicts...), replaced by its copy."""
+    if all(isinstance(a, _FLAT) for a in args) and all(isinstance(v, _FLAT) for v in kwargs.values()):
+        return tuple(_InFlight(a) if isinstance(a, Tensor) else a for a in args), {
+            k: _InFlight(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()
+        }
     return apply_to_collection((args, kwargs), Tensor, _InFlight)
 
 
 def _land(started: tuple[tuple, dict]) -> tuple[tuple, dict]:
     """The inputs again, each copy landed on the CPU: in the worker, which waits for them."""
+    args, kwargs = started
+    if all(isinstance(a, (_InFlight, *_FLAT)) for a in args) and all(
+        isinstance(v, (_InFlight, *_FLAT)) for v in kwargs.values()
+    ):
+        return tuple(a.land() if isinstance(a, _InFlight) else a for a in args), {
+            k: v.land() if isinstance(v, _InFlight) else v for k, v in kwargs.items()
+        }
     return apply_to_collection(started, _InFlight, _InFlight.land)
 
 

@@ -87,6 +87,11 @@ class _OffloadedMetric(_SettledReads):
             _settle(self)
         super().__setattr__(name, value)
 
+    def __hash__(self) -> int:
+        # torchmetrics hashes the states too, which would wait for the queue at every walk of a module's children
+        # (`named_modules()`, `parameters()`, `train()`): the Metric's identity is the part that makes it unique
+        return hash((type(self).__name__, id(self)))
+
     def _wrap_update(self, update: Callable) -> Callable:
         return _offloading(self, super()._wrap_update(update))
 
