@@ -58,7 +58,7 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._queue import _as_at_the_call
+from lightning_store.metrics._in_thread import _as_at_the_call
 from lightning_store.metrics._random import _drawn, _host_states
 from lightning_store.metrics._thread_state import _CallerState
 

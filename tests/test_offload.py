@@ -517,3 +517,21 @@ def test_walking_a_modules_children_does_not_wait_for_the_queue():
     GATE.set()
     assert model.metric.compute() == 2 * 10
     assert len({model.metric, offload_to_cpu(Gated())}) == 2
+
+
+def test_a_setting_changed_while_updates_are_queued_applies_after_them_as_in_the_plain_metric():
+    class GatedCat(CatMetric):
+        def update(self, value: Tensor) -> None:
+            GATE.wait()
+            super().update(value)
+
+    metric, plain = offload_to_cpu(GatedCat(nan_strategy="ignore")), CatMetric(nan_strategy="ignore")
+    nan = torch.tensor([1.0, float("nan")])
+    GATE.clear()
+    metric.update(nan)  # queued: it must run with the strategy of its call
+    plain.update(nan)
+    threading.Timer(0.05, GATE.set).start()
+    for m in (metric, plain):
+        m.nan_strategy = 0.0
+        m.update(nan)
+    _assert_same(metric.compute(), plain.compute())

@@ -12,8 +12,8 @@ from torchmetrics import Metric
 from lightning_store._compat import _in_front_of, _remade
 from lightning_store._gather import gather_on_device
 from lightning_store.metrics._configured import _SettledReads, _sync_lists_on_device
-from lightning_store.metrics._inputs import _land, _on_cpu_now, _start_copies
-from lightning_store.metrics._queue import _UpdateQueue
+from lightning_store.metrics._inputs import _on_cpu_now
+from lightning_store.metrics._queue import _Queue
 from lightning_store.metrics._worker import _Inline, _runs_inline
 
 _CPU = torch.device("cpu")
@@ -22,7 +22,7 @@ _METRIC_BOOKKEEPING = frozenset({"_update_count", "_computed"})
 _COLLECTION_BOOKKEEPING = frozenset({"_groups", "_groups_checked", "_state_is_copy"})
 
 
-def _queue_of(obj: Module) -> _UpdateQueue | None:
+def _queue_of(obj: Module) -> _Queue | None:
     return object.__getattribute__(obj, "__dict__").get("_offload")
 
 
@@ -33,17 +33,16 @@ def _settle(obj: Module) -> None:
         queue.settle()
 
 
+def _changed(obj: Module) -> None:
+    """Say that ``obj`` was changed here, outside its worker (a worker process gets it again)."""
+    queue = _queue_of(obj)
+    if queue is not None and not _runs_inline():
+        queue.changed()
+
+
 def _queue_update(obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
-    """Start copying the inputs to the CPU and queue ``update`` on them, for the worker (the caller never waits)."""
-    queue = cast(_UpdateQueue, _queue_of(obj))
-    started = _start_copies(args, kwargs)
-    queue.submit(functools.partial(_run_landed, update, started), obj)
-
-
-def _run_landed(update: Callable, started: tuple[tuple, dict]) -> tuple[tuple, dict]:
-    args, kwargs = _land(started)
-    update(*args, **kwargs)
-    return args, kwargs
+    """Queue ``update`` on the inputs as they are now, for the worker (the caller waits only for room)."""
+    cast(_Queue, _queue_of(obj)).queue_update(obj, update, args, kwargs)
 
 
 def _offloading(metric: Metric, update: Callable) -> Callable:
@@ -68,7 +67,7 @@ def _forward_inline(obj: Module, forward: Callable, args: tuple, kwargs: dict) -
 class _OffloadedMetric(_SettledReads):
     """Put in front of the class of a Metric given to ``offload_to_cpu`` (see :func:`_offloaded_class`)."""
 
-    _offload: _UpdateQueue
+    _offload: _Queue
     _kept_attribute = "_offload"  # see `_compat._in_front_of`
 
     def _settle_states(self) -> None:
@@ -83,9 +82,12 @@ class _OffloadedMetric(_SettledReads):
         return object.__getattribute__(self, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _METRIC_BOOKKEEPING or name in self.__dict__.get("_defaults", ()):
-            _settle(self)
+        if name == "training":  # Lightning's `train()` and `eval()`, each epoch: an update does not read it
+            super().__setattr__(name, value)
+            return
+        _settle(self)  # a state, or a setting: the updates queued before ran with the old value, as the plain ones
         super().__setattr__(name, value)
+        _changed(self)
 
     def __hash__(self) -> int:
         # torchmetrics hashes the states too, which would wait for the queue at every walk of a module's children
@@ -103,6 +105,9 @@ class _OffloadedMetric(_SettledReads):
         return _forward_inline(self, super().forward, args, kwargs)
 
     def reset(self) -> None:
+        queue = _queue_of(self)
+        if queue is not None and not _runs_inline():
+            queue.resetting()
         _settle(self)
         super().reset()
 
@@ -125,9 +130,17 @@ class _OffloadedMetric(_SettledReads):
 class _OffloadedContainer(Module):
     """Put in front of a ``MetricCollection`` or ``MetricTracker`` given to ``offload_to_cpu``: one update queued."""
 
-    _offload: _UpdateQueue
+    _offload: _Queue
     _kept_attribute = "_offload"  # see `_compat._in_front_of`
     _base_class: type
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "training":
+            super().__setattr__(name, value)
+            return
+        _settle(self)
+        super().__setattr__(name, value)
+        _changed(self)
 
     def __getattribute__(self, name: str) -> Any:
         # a collection's first update forms its compute groups; after it, what the collection's own bookkeeping
@@ -139,12 +152,11 @@ class _OffloadedContainer(Module):
     def _compute_groups_create_state_ref(self, copy: bool = False) -> None:
         # a collection's `[key]`, `items()` and `values()` share (or copy) the states of a compute group's first
         # Metric with the others: queued after the updates it must see, it keeps the step from waiting for them
-        own = super()._compute_groups_create_state_ref  # type: ignore[misc]
         queue = _queue_of(self)
-        if _runs_inline() or queue is None or not queue.pending:
-            own(copy)
+        if _runs_inline() or queue is None or not queue.ahead():
+            super()._compute_groups_create_state_ref(copy)  # type: ignore[misc]
         else:
-            queue.submit(functools.partial(own, copy))
+            queue.queue_call(self, "_compute_groups_create_state_ref", copy)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Queue the update of every Metric held, once, on the inputs copied once."""

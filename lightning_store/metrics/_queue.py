@@ -1,20 +1,15 @@
-"""The queue of one offloaded Metric (and every Metric inside it): bounded, in order, its errors and warnings kept."""
+"""What every offloaded Metric's queue keeps: its bound, its counts, and what its updates raised or warned."""
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
+from torch.nn import Module
 
-from lightning_store.metrics._guard import _Refused, _WorkerGuard
+from lightning_store.metrics._guard import _Refused
 from lightning_store.metrics._lag import _Lag
-from lightning_store.metrics._random import _drawn, _host_states, _Suspect, _trial_draws
-from lightning_store.metrics._thread_state import _CallerState
-from lightning_store.metrics._warnings import _kept_warnings, _users_frame, _warn_again
-from lightning_store.metrics._worker import _get_worker, _Inline, _Job
+from lightning_store.metrics._warnings import _users_frame, _warn_again
 from lightning_store.warnings import _warn_once_at
 
 DEFAULT_MAX_PENDING = 8
@@ -31,23 +26,23 @@ class _Failure:
         self.discarded = 0  # the updates queued after it, not run
 
 
-class _UpdateQueue:
-    """The updates of one offloaded object waiting for the worker, at most ``max_pending`` at a time.
+class _Queue:
+    """The updates of one offloaded object waiting for its worker, at most ``max_pending`` at a time.
 
-    Shared by the Metrics configured together (a collection and its Metrics, a wrapper and the Metrics it holds)
-    and by their deep copies (``MetricTracker.increment``, ``clone``), so that a read of any of them sees every
-    update queued before it. Pickled as a new, empty queue: an unpickled Metric is settled and has none pending.
-
-    Each update runs in the worker with its caller's thread-local torch state (``_thread_state``), under the guard
-    that refuses a draw from a global torch generator (``_guard``), its warnings kept (``_warnings``), and
-    Python's and NumPy's generators compared around it (``_random``). What it raised, warned or drew comes back
-    at the caller's next call on any of these Metrics: the warnings given again, then the error raised.
+    Shared by the Metrics configured together (a collection and its Metrics, a wrapper and the Metrics it holds),
+    so that a read of any of them sees every update queued before it. What the updates raised, warned or drew
+    comes back at the caller's next call on any of these Metrics: the warnings given again, then the error raised.
 
     After an update raises, the updates queued behind it are not run: the error says how many, and the queue then
     runs new updates again. That is what the plain Metric gives: its ``update`` raises, and the calls after it in
     the caller's code do not happen. The Metric's state is the plain one after a failed update (torchmetrics
     counts it, and keeps what it changed before it raised).
+
+    A worker is a thread of this process (``_in_thread._ThreadQueue``) or a process of its own
+    (``_in_process._ProcessQueue``), which say how an update is queued, run and waited for.
     """
+
+    worker = ""  # "thread" or "process"
 
     def __init__(self, max_pending: int = DEFAULT_MAX_PENDING, name: str = "Metric") -> None:
         self.max_pending = max_pending
@@ -59,78 +54,46 @@ class _UpdateQueue:
         self.failure: _Failure | None = None
         self.dropped = 0  # updates not run, dropped when the process began to exit
         self.warnings: list[tuple[str, warnings.WarningMessage]] = []
-        self.suspect: _Suspect | None = None
         self.lag = _Lag()
 
-    def __deepcopy__(self, memo: dict) -> "_UpdateQueue":
-        return self
-
     def __reduce__(self) -> tuple[Any, ...]:
-        return _UpdateQueue, (self.max_pending, self.name)
+        return type(self), (self.max_pending, self.name)
 
-    def submit(self, run: Callable[[], Any], obj: Any = None) -> None:
-        """Queue ``run`` (``obj``'s update) after the calls already queued; first wait while ``max_pending`` wait.
+    def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
+        """Queue ``obj``'s ``update`` (its own, unwrapped) on ``args`` and ``kwargs``, taken as they are now."""
+        raise NotImplementedError
 
-        ``run`` returns the inputs the update ran on, for a trial if Python's or NumPy's generator changed
-        meanwhile. Without ``obj``, ``run`` is no update (a collection's copy of its compute groups' states):
-        it is queued in the same order, and not numbered.
-        """
-        self.report()
-        worker = _get_worker()
-        if worker.stopping:  # the process is exiting (an update from another exit handler): it runs here
-            with _Inline():
-                run()
-            return
-        state, waited = _CallerState(), None
-        with worker.lock:
-            if self.pending >= self.max_pending:
-                started = time.perf_counter()
-                while self.pending >= self.max_pending:
-                    worker.changed.wait()
-                waited = time.perf_counter() - started
-                self.waits += 1
-                self.waited_s += waited
-            self.pending += 1
-            if obj is not None:
-                self.queued += 1
-            worker.submit(_Job(self, self.queued if obj is not None else None, run, state, obj))
-        if obj is not None:
-            message = self.lag.count(waited, self.name, self.max_pending)
-            if message is not None:
-                frame = _users_frame()
-                _warn_once_at(message, frame.f_code.co_filename, frame.f_lineno)
+    def queue_call(self, obj: Module, method: str, *args: Any) -> None:
+        """Queue a call of ``obj``'s own ``method`` after the updates queued (a collection's copy of its states)."""
+        raise NotImplementedError
 
-    def run(self, job: _Job) -> None:
-        """Run ``job`` in the worker, unless an earlier update of this queue raised."""
-        if self.failure is not None:
-            self.failure.discarded += job.number is not None
-            return
-        before = _host_states() if job.number is not None else None
-        inputs, kept = None, []
-        try:
-            with _as_at_the_call(job.state) as kept:
-                inputs = job.run()
-        except Exception as error:
-            self.failure = _Failure(error, job.number)
-        what = f"update #{job.number}" if job.number is not None else "collection's copy of its states"
-        self.warnings.extend((what, message) for message in kept)
-        if before is not None and job.number is not None and self.suspect is None:
-            drawn = _drawn(before, _host_states())
-            if drawn and inputs is not None:
-                args, kwargs = apply_to_collection(inputs, Tensor, Tensor.clone)  # its own: the Metric may keep them
-                self.suspect = _Suspect(job.obj, job.number, args, kwargs, drawn)
+    def ahead(self) -> bool:
+        """Whether the worker has updates this process's objects do not show yet."""
+        raise NotImplementedError
 
     def settle(self) -> None:
-        """Wait until every queued update has run; then report what they raised, warned or drew."""
-        self._wait()
-        self.report()
+        """Wait until every queued update has run and shows here; then report what they raised, warned or drew."""
+        raise NotImplementedError
+
+    def changed(self) -> None:
+        """Say that this process's objects were changed here (a worker process gets them again)."""
+
+    def resetting(self) -> None:
+        """Say that the objects are about to be reset: what their updates were is of no more use."""
 
     def _wait(self) -> None:
-        if self.pending:
-            worker = _get_worker()
-            with worker.lock:
-                while self.pending:
-                    worker.changed.wait()
+        """Wait until no update is pending."""
+        raise NotImplementedError
+
+    def _count_wait(self, waited: float | None) -> None:
+        """Count an update's call (``waited``: how long it waited for room); say once if the worker falls behind."""
+        if waited is not None:
+            self.waits += 1
+            self.waited_s += waited
+        message = self.lag.count(waited, self.name, self.max_pending)
+        if message is not None:
+            frame = _users_frame()
+            _warn_once_at(message, frame.f_code.co_filename, frame.f_lineno)
 
     def report(self) -> None:
         """Give again the warnings the updates run gave, then raise what one of them raised or drew."""
@@ -145,50 +108,18 @@ class _UpdateQueue:
                 " dropped: this Metric's state lacks them. HINT: read the Metric (`compute()`) before the process"
                 " exits, not from an exit handler."
             )
-        if self.suspect is not None:
-            self._try_suspect()
+        self._report_more()
         if self.failure is not None:
             self._raise_failure()
 
-    def _try_suspect(self) -> None:
-        """Try the suspect update again on a copy, in the worker, while this thread waits; raise if it draws."""
-        suspect, result = self.suspect, []
-        assert suspect is not None
-        self.suspect = None
-        self._wait()  # the copy is made with every update before it run
-        worker = _get_worker()
-        with worker.lock:
-            self.pending += 1
-            worker.submit(_Job(self, None, lambda: result.append(_trial_draws(suspect)), _CallerState(), None))
-        self._wait()
-        drawn = result[0] if result else []
-        if drawn is None:
-            frame = _users_frame()
-            _warn_once_at(
-                f"{self.name}: Python's or NumPy's global generator was drawn from while its update #"
-                f"{suspect.number} ran in lightning-store's offload worker, by it or by another thread, and the"
-                " Metric cannot be copied to try which. If it was the update, its values and your program's random"
-                " numbers differ from a plain run's. HINT: keep this Metric as it is (not offloaded) if its update"
-                " draws random numbers.",
-                frame.f_code.co_filename,
-                frame.f_lineno,
-            )
-        elif drawn:
-            raise RuntimeError(
-                f"{self.name}.update drew random numbers from {' and '.join(drawn)} global generator, at update"
-                f" #{suspect.number} since offload_to_cpu, in lightning-store's offload worker. Run in the"
-                " background, it draws them at another time than the plain Metric, changing both its values and"
-                " the random numbers your program draws. This is seen only after the update ran: its draws are"
-                " made. HINT: keep this Metric as it is (not offloaded), or give its update a generator of its own"
-                " (`random.Random(seed)`, `np.random.default_rng(seed)`)."
-            )
+    def _report_more(self) -> None:
+        """What a kind of worker has to report besides (a draw found after an update, say)."""
 
     def _raise_failure(self) -> None:
         failure = self.failure
         assert failure is not None
         if self.pending:  # the count of updates not run is final once none is pending
-            self.settle()
-            return
+            self._wait()
         self.failure = None
         error = failure.error
         not_run = (
@@ -219,11 +150,14 @@ class _UpdateQueue:
         raise again from error
 
 
-@contextmanager
-def _as_at_the_call(state: _CallerState) -> Iterator[list[warnings.WarningMessage]]:
-    """What an update runs under in the worker: its caller's torch state and the guard; its warnings kept (yielded)."""
-    with state.applied(), _WorkerGuard(state.default_dtype), _kept_warnings() as kept:
-        yield kept
+def _wait_for_room(queue: _Queue, wait: Callable[[], Any]) -> float | None:
+    """Wait (with ``wait``, which returns when an update has run) while ``max_pending`` updates wait; how long."""
+    if queue.pending < queue.max_pending:
+        return None
+    started = time.perf_counter()
+    while queue.pending >= queue.max_pending:
+        wait()
+    return time.perf_counter() - started
 
 
 def _sentence(text: str) -> str:

@@ -40,8 +40,11 @@ def _dispatch_keys() -> tuple[Any, Any]:
     )
 
 
-def _same(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
-    return _identity(a[0]) == _identity(b[0]) and _identity(a[1]) == _identity(b[1])
+def _key_names(identity: Any) -> set[str]:
+    """The names of the keys in a key set known by its identity (see ``_identity``)."""
+    text = identity if isinstance(identity, str) else repr(_KeySet.from_raw_repr(identity))
+    inside = text[text.index("(") + 1 : text.rindex(")")]
+    return {name.strip() for name in inside.split(",") if name.strip()}
 
 
 def _flushes_subnormals() -> bool:
@@ -84,20 +87,29 @@ class _CallerState:
         self.threads = torch.get_num_threads()
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
-        self.keys = _dispatch_keys()
-        self.autocast = _autocast_on(self.keys[1])
+        included, excluded = _dispatch_keys()
+        self.keys = (_identity(included), _identity(excluded))  # values, which a worker process can be sent
+        self.autocast = _autocast_on(excluded)
         self.cache = torch.is_autocast_cache_enabled()
         self.flush = _flushes_subnormals()
         self.default_dtype = torch.get_default_dtype()
 
     @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        """This thread's torch state set to the caller's while the block runs, and set back after it."""
+    def applied(self, default_dtype: bool = False) -> Iterator[None]:
+        """This thread's torch state set to the caller's while the block runs, and set back after it.
+
+        Args:
+            default_dtype: whether to set torch's default dtype too: in a worker process, whose only thread that
+                runs torch ops is the one running the update.
+        """
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # kept after the block: the next update is most likely the same
         flush = _flushes_subnormals()
         if flush != self.flush:
             torch.set_flush_denormal(self.flush)
+        dtype = torch.get_default_dtype()
+        if default_dtype and dtype != self.default_dtype:
+            torch.set_default_dtype(self.default_dtype)
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.inference_mode(self.inference))
@@ -109,16 +121,19 @@ class _CallerState:
         finally:
             if flush != self.flush:
                 torch.set_flush_denormal(flush)
+            if default_dtype and dtype != self.default_dtype:
+                torch.set_default_dtype(dtype)
 
     def _check_carried(self) -> None:
-        here = _dispatch_keys()
-        if not _same(here, self.keys):
-            differ = (here[0] - self.keys[0]) | (self.keys[0] - here[0]) | (here[1] - self.keys[1])
-            differ = differ | (self.keys[1] - here[1])
+        included, excluded = _dispatch_keys()
+        here = (_identity(included), _identity(excluded))
+        if here != self.keys:
+            differ = set.union(*(_key_names(a) ^ _key_names(b) for a, b in zip(here, self.keys, strict=True)))
             raise _Refused(
                 "it was called under thread-local torch state that lightning-store cannot carry into its offload"
-                f" worker: the dispatch keys {differ} differ from the caller's (a context such as a functorch"
-                " transform). Run in the worker, its values could differ from the plain Metric's.",
+                f" worker: the dispatch keys DispatchKeySet({', '.join(sorted(differ))}) differ from the caller's"
+                " (a context such as a functorch transform). Run in the worker, its values could differ from the"
+                " plain Metric's.",
                 "call `update` outside that context, or keep this Metric as it is (not offloaded).",
             )
 

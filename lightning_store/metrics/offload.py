@@ -1,6 +1,7 @@
 """``offload_to_cpu``: any torchmetrics Metric's update, states and compute on the CPU, off the training step."""
 
-from typing import Any, TypeVar
+import pickle
+from typing import Any, Literal, TypeVar
 
 from torch.nn import Module
 from torchmetrics import Metric, MetricCollection
@@ -9,8 +10,10 @@ from torchmetrics.wrappers import BootStrapper, MetricTracker
 from lightning_store._gather import _is_gather_on_device, gather_on_device
 from lightning_store._policy import _check_positive_int
 from lightning_store.metrics._configured import _settling, _StatesOnCPU
+from lightning_store.metrics._in_process import _ProcessQueue
+from lightning_store.metrics._in_thread import _ThreadQueue
 from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of
-from lightning_store.metrics._queue import DEFAULT_MAX_PENDING, _UpdateQueue
+from lightning_store.metrics._queue import DEFAULT_MAX_PENDING, _Queue
 from lightning_store.metrics.states import _ACCEPTED, _check_configurable
 
 __all__ = ["offload_to_cpu"]
@@ -19,7 +22,9 @@ _Offloadable = TypeVar("_Offloadable", Metric, MetricCollection, MetricTracker)
 _EXAMPLE = "`self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200))`"
 
 
-def offload_to_cpu(metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDING) -> _Offloadable:
+def offload_to_cpu(
+    metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDING, worker: Literal["thread", "process"] = "thread"
+) -> _Offloadable:
     """Run ``metric``'s updates in a background thread on the CPU, where all of its states live.
 
     ``update()`` returns at once: it starts copying its inputs to the CPU (on CUDA a non-blocking copy into pinned
@@ -57,19 +62,29 @@ def offload_to_cpu(metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDI
     where a core is free for it. A fork (DataLoader workers) first waits for the queued updates; at exit, those not
     run are dropped.
 
+    With ``worker="process"``, a worker process runs them instead, on a copy of ``metric``: it shares neither the
+    training thread's interpreter lock nor its memory, which pays where the step itself runs Python (launching a
+    GPU's kernels) or the Metric does (text Metrics). Its inputs go through shared memory; a read here first copies
+    the states back, and the next update sends the object again. It starts as DataLoader workers do with the
+    ``spawn`` method: a script's code under ``if __name__ == "__main__":``, the Metric's class importable.
+
     Args:
         metric: a ``torchmetrics.Metric`` (a wrapper too), ``MetricCollection`` or ``MetricTracker``, configured in
             place with every Metric it holds, which share its queue.
         max_pending: the most updates that wait for the worker; one more waits in ``update`` until one has run. Each
             holds a copy of its inputs in host memory.
+        worker: ``"thread"``, a thread of this process, or ``"process"``, a process of its own, which runs the
+            updates of every Metric offloaded to it.
 
     Returns:
         ``metric`` itself.
 
     Raises:
-        TypeError: if ``metric`` is not one of those (a class, say), or ``max_pending`` is not an int.
-        ValueError: if ``max_pending`` is not positive, or ``metric`` cannot be offloaded (a ``BootStrapper``, one
-            with a ``dist_sync_fn`` of its own, or one given to ``store_states_on_cpu``).
+        TypeError: if ``metric`` is not one of those (a class, say), ``max_pending`` is not an int, or
+            ``worker="process"`` gets a Metric that cannot be pickled.
+        ValueError: if ``max_pending`` is not positive, ``worker`` is neither, or ``metric`` cannot be offloaded (a
+            ``BootStrapper``, one with a ``dist_sync_fn`` of its own, one given to ``store_states_on_cpu``, or one
+            offloaded already to the other worker).
 
     Example:
         >>> import torch
@@ -81,21 +96,33 @@ def offload_to_cpu(metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDI
 
     """
     _check_max_pending(max_pending)
+    _check_worker(worker)
     _check_configurable(metric, "offload_to_cpu", _EXAMPLE)
     queue = _queue_of(metric)
     if queue is not None:  # offloaded already: only the bound changes
+        if queue.worker != worker:
+            raise ValueError(
+                f"offload_to_cpu() got a {type(metric).__name__} offloaded already with worker={queue.worker!r}:"
+                f" its updates cannot move to worker={worker!r}. HINT: pass worker={queue.worker!r}, or offload a"
+                " new Metric."
+            )
         queue.max_pending = max_pending
         return metric
     members = [m for m in metric.modules() if isinstance(m, _ACCEPTED)]
     for member in members:
         _check_member(member, metric)
-    queue = _UpdateQueue(max_pending, name=type(metric).__name__)
+    if worker == "process":
+        _check_pickles(metric)
+        queue = _ProcessQueue(max_pending, name=type(metric).__name__)
+        queue.root = metric
+    else:
+        queue = _ThreadQueue(max_pending, name=type(metric).__name__)
     for member in members:
         _configure(member, queue)
     return metric
 
 
-def _configure(member: Module, queue: _UpdateQueue) -> None:
+def _configure(member: Module, queue: _Queue) -> None:
     member.__dict__["_offload"] = queue
     member.__class__ = _offloaded_class(type(member))
     if isinstance(member, Metric):
@@ -104,6 +131,26 @@ def _configure(member: Module, queue: _UpdateQueue) -> None:
         if member.dist_sync_fn is None:
             member.dist_sync_fn = gather_on_device
     member.cpu()
+
+
+def _check_worker(worker: Any) -> None:
+    if worker not in ("thread", "process") or not isinstance(worker, str):
+        raise ValueError(
+            f"Expected worker to be 'thread' or 'process', got {worker!r}. HINT: 'thread' (the default) runs the"
+            " updates in a thread of this process; 'process' in a process of their own, which pays where the step"
+            " or the Metric runs much Python."
+        )
+
+
+def _check_pickles(metric: Module) -> None:
+    try:
+        pickle.dumps(metric)
+    except Exception as error:
+        raise TypeError(
+            f"offload_to_cpu(worker='process') got a {type(metric).__name__} that cannot be pickled ({error}): the"
+            " worker process gets a copy of it. HINT: keep only picklable attributes on the Metric (no lambda, no"
+            " open file), or pass worker='thread'."
+        ) from error
 
 
 def _check_max_pending(max_pending: Any) -> None:

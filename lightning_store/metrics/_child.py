@@ -1,0 +1,184 @@
+"""The worker process: a copy of each object offloaded to it, whose updates it runs in order; it sends their states."""
+
+import pickle
+import queue
+import random
+import sys
+import threading
+import traceback
+import warnings
+from typing import Any, cast
+
+import torch
+from torch.nn import Module
+
+from lightning_store.metrics._arena import _Arena, _attach
+from lightning_store.metrics._inputs_shared import _read_inputs
+from lightning_store.metrics._worker import _Inline
+
+_MODULE_OWN = frozenset(vars(Module())) | {"_offload", "_defaults", "_persistent", "_reductions"}
+_KEPT_WARNINGS = 20  # at most, by update: the rest are dropped (the answer stays small)
+
+
+class _Arenas(dict):
+    """The parent's arenas, attached to at first sight, by name."""
+
+    def __missing__(self, name: str) -> _Arena:
+        arena = _Arena.__new__(_Arena)
+        arena.shm, arena.size, arena.spans, arena.head = _attach(name), 0, None, 0  # type: ignore[assignment]
+        self[name] = arena
+        return arena
+
+
+def _serve(conn: Any) -> None:
+    """Run until the parent says stop, or goes away."""
+    with _Inline():  # the offloaded objects here run their own methods
+        _Worker(conn).run()
+
+
+class _Worker:
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.objects: dict[int, Module] = {}
+        self.broken: dict[int, tuple] = {}  # an object that could not be made here: the error, for each update
+        self.failed: set[int] = set()  # an object whose update failed: its next updates are not run, until resumed
+        self.arenas = _Arenas()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        # answers go out from a thread of their own: this one keeps reading, so neither side waits on a full pipe
+        self.sender = threading.Thread(target=self._send_all, name="lightning-store-answers", daemon=True)
+        self.sender.start()
+
+    def _send_all(self) -> None:
+        while (message := self.outbox.get()) is not None:
+            try:
+                self.conn.send(message)
+            except (OSError, ValueError):
+                return
+
+    def run(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            kind = message[0]
+            if kind == "stop":
+                self.outbox.put(None)
+                self.sender.join(1)
+                return
+            getattr(self, f"_{kind}")(*message[1:])
+
+    def _replace(self, object_id: int, payload: bytes) -> None:
+        self.failed.discard(object_id)
+        self.broken.pop(object_id, None)
+        try:
+            self.objects[object_id] = pickle.loads(payload)
+        except Exception as error:
+            self.objects.pop(object_id, None)
+            self.broken[object_id] = _error_info(error)
+
+    def _drop(self, object_id: int) -> None:
+        self.objects.pop(object_id, None)
+
+    def _forget(self, name: str) -> None:
+        arena = self.arenas.pop(name, None)
+        if arena is not None:
+            arena.close(unlink=False)
+
+    def _resume(self, object_id: int) -> None:
+        self.failed.discard(object_id)
+
+    def _filters(self, filters: list) -> None:
+        warnings.filters[:] = filters  # type: ignore[index]
+
+    def _update(self, object_id: int, number: int, path: str, inputs: tuple, state: Any) -> None:
+        self._run(object_id, number, path, inputs, state, "update", spent=True)
+
+    def _call(self, object_id: int, path: str, method: str, args: tuple) -> None:
+        self._run(object_id, None, path, ((), {}), None, method, spent=False, call_args=args)
+
+    def _run(
+        self,
+        object_id: int,
+        number: int | None,
+        path: str,
+        inputs: tuple,
+        state: Any,
+        method: str,
+        spent: bool,
+        call_args: tuple = (),
+    ) -> None:
+        error, kept, drawn = self.broken.get(object_id), [], []
+        discarded = object_id in self.failed and error is None
+        if error is None and not discarded:
+            target = self.objects[object_id].get_submodule(path) if path else self.objects[object_id]
+            error, kept, drawn = _run_one(target, method, inputs, state, call_args, self.arenas)
+            if error is not None or drawn:
+                self.failed.add(object_id)
+        self.outbox.put(("done", object_id, number, error, kept, drawn, discarded, spent))
+
+    def _pull(self, object_id: int) -> None:
+        obj = self.objects.get(object_id)
+        values = [] if obj is None else [_data_of(module) for module in obj.modules()]
+        self.outbox.put(("states", object_id, pickle.dumps(values)))
+
+
+def _run_one(target: Module, method: str, inputs: tuple, state: Any, call_args: tuple, arenas: _Arenas) -> tuple:
+    """Run ``target.method`` on the inputs: what it raised, the warnings it gave, the generators it drew from."""
+    error, drawn = None, []
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            args, kwargs = _read_inputs(inputs, arenas.__getitem__)
+            if state is None:
+                getattr(target, method)(*call_args)
+            else:
+                with state.applied(default_dtype=True):
+                    before = _generators()
+                    try:
+                        cast(Any, target).update(*args, **kwargs)
+                    finally:
+                        drawn = _drawn(before, _generators())
+        except Exception as exception:
+            error = _error_info(exception)
+    kept = [(w.category, _picklable(w.message), w.filename, w.lineno) for w in caught[:_KEPT_WARNINGS]]
+    return error, kept, drawn
+
+
+def _generators() -> tuple:
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), random.getstate(), numpy.random.get_state(legacy=False) if numpy else None
+
+
+def _drawn(before: tuple, after: tuple) -> list[str]:
+    """The global generators an update drew from: here, no other thread draws, so each change is the update's."""
+    drawn = [] if torch.equal(before[0], after[0]) else ["torch's CPU"]
+    if before[1] != after[1]:
+        drawn.append("Python's `random`")
+    if before[2] is not None and after[2] is not None:
+        from lightning_store.metrics._random import _same_numpy
+
+        if not _same_numpy(before[2], after[2]):
+            drawn.append("NumPy's `np.random`")
+    return drawn
+
+
+def _data_of(module: Module) -> dict[str, Any]:
+    """What an update may have changed in ``module``: every attribute but the Module's own and its methods."""
+    return {k: v for k, v in vars(module).items() if k not in _MODULE_OWN and not callable(v)}
+
+
+def _error_info(error: BaseException) -> tuple:
+    try:
+        pickled: bytes | None = pickle.dumps(error)
+    except Exception:
+        pickled = None
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return pickled, type(error).__qualname__, str(error), trace
+
+
+def _picklable(message: Any) -> Any:
+    try:
+        pickle.dumps(message)
+    except Exception:
+        return str(message)
+    return message

@@ -1,0 +1,109 @@
+"""An update's inputs for the worker process: tensors written into the shared arena, read back there."""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_store._buffer import _Copy, _transfer_for
+from lightning_store.metrics._arena import _ALIGNMENT, _aligned, _Arena
+
+
+class _InArena:
+    """Where a tensor input lies in the arena, and its layout: what the worker process needs to read it back."""
+
+    __slots__ = ("arena", "count", "dtype", "offset", "pad", "shape", "stride")
+
+    def __init__(self, dtype: torch.dtype, shape: tuple, stride: tuple, pad: int, count: int) -> None:
+        self.arena, self.offset = "", 0  # set when the arena's space is taken
+        self.dtype, self.shape, self.stride, self.pad, self.count = dtype, shape, stride, pad, count
+
+    @property
+    def nbytes(self) -> int:
+        return _aligned(self.count * self.dtype.itemsize)
+
+    def read(self, arenas: Callable[[str], _Arena]) -> Tensor:
+        """The tensor, on memory of its own, with its layout and alignment (in the worker process)."""
+        if not self.count:
+            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
+        flat = arenas(self.arena).tensor(self.offset, self.dtype, self.count).clone()
+        return flat.as_strided(self.shape, self.stride, self.pad)
+
+    def __getstate__(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple) -> None:
+        for name, value in zip(self.__slots__, state, strict=True):
+            setattr(self, name, value)
+
+
+class _Outgoing:
+    """An update's inputs on their way into the arena: CPU tensors written at once, device ones when they land.
+
+    A CPU input is read as it is at the call, with its layout (see ``_inputs._HostCopy``). A CUDA input is copied
+    to pinned memory without a host sync (``_buffer._CUDATransfer``, with the layout ``tensor.cpu()`` gives), and
+    written into the arena once the copy has landed, which :meth:`ready` tells without waiting.
+    """
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.pending: list[tuple[_InArena, _Copy]] = []
+        self.written: list[tuple[_InArena, Tensor]] = []
+        self.inputs = apply_to_collection((args, kwargs), Tensor, self._describe)
+        self.nbytes = sum(where.nbytes for where, _ in (*self.pending, *self.written))
+
+    def _describe(self, tensor: Tensor) -> Any:
+        tensor = tensor.detach()
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            return tensor.to("cpu", copy=True)  # pickled with the message, as it is
+        transfer = _transfer_for(tensor.device)
+        if transfer is not None:
+            copy = transfer.start(tensor, snapshot=True)  # its host tensor has the layout `tensor.cpu()` gives
+            shape, stride = tuple(tensor.shape), _dense_stride(tensor)
+            where = _InArena(tensor.dtype, shape, stride, 0, tensor.numel())
+            self.pending.append((where, copy))
+            return where
+        if not tensor.is_cpu:
+            tensor = tensor.to("cpu")  # another device (MPS): a blocking copy
+        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+        pad = tensor.data_ptr() % _ALIGNMENT // tensor.element_size()
+        where = _InArena(tensor.dtype, tuple(tensor.shape), tensor.stride(), pad, pad + span if tensor.numel() else 0)
+        source = tensor.as_strided((span,), (1,), tensor.storage_offset()) if tensor.numel() else tensor
+        self.written.append((where, source))
+        return where
+
+    def place(self, arena: _Arena, offset: int) -> None:
+        """Write the CPU inputs at ``offset`` in ``arena`` (taken for :attr:`nbytes`), and place the others after."""
+        for where, _ in (*self.written, *self.pending):
+            where.arena, where.offset = arena.name, offset
+            offset += where.nbytes
+        for where, source in self.written:
+            if where.count:
+                arena.tensor(where.offset, where.dtype, where.count)[where.pad :].copy_(source)
+        self.written = []  # the caller's tensors are not kept
+
+    def ready(self) -> bool:
+        """Whether every device input has landed on the host (without waiting)."""
+        return all(copy.ready() for _, copy in self.pending)
+
+    def land(self, arena: _Arena) -> None:
+        """Write the device inputs into ``arena``, waiting for their copies, and hand their pinned memory back."""
+        for where, copy in self.pending:
+            try:
+                host = copy.wait()
+                flat = host.as_strided((host.numel(),), (1,), host.storage_offset())
+                arena.tensor(where.offset, where.dtype, where.count).copy_(flat)
+            finally:
+                copy.release()
+        self.pending = []
+
+
+def _dense_stride(tensor: Tensor) -> tuple[int, ...]:
+    """The strides ``tensor.cpu()`` gives: its own where it is dense, else those of a contiguous tensor."""
+    return tuple(torch.empty_like(tensor, device="meta").stride())
+
+
+def _read_inputs(inputs: tuple[tuple, dict], arenas: Callable[[str], _Arena]) -> tuple[tuple, dict]:
+    """The inputs again, each tensor read from the arena (in the worker process)."""
+    return apply_to_collection(inputs, _InArena, lambda where: where.read(arenas))

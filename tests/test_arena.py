@@ -1,0 +1,33 @@
+"""The shared arena for a worker process's inputs: a ring of spans, taken at the head and given back in order."""
+
+import torch
+
+from lightning_store.metrics._arena import _ALIGNMENT, _Arena
+
+
+def test_spans_are_taken_in_order_wrap_around_and_wait_when_full():
+    arena = _Arena(1024)
+    try:
+        assert [arena.take(300), arena.take(300), arena.take(300)] == [0, 320, 640]  # 64-byte aligned
+        assert arena.take(200) is None  # 960 + 256 > 1024, and the front is still taken
+        arena.give_back()  # the oldest, [0, 320), is free again
+        assert arena.take(200) == 0  # wrapped around
+        assert arena.take(100) is None  # wrapped: only [256, 320) is free
+        assert arena.take(64) == 256
+        for _ in range(4):
+            arena.give_back()
+        assert not arena.spans and arena.take(1000) == 0  # empty: from the start again
+    finally:
+        arena.close(unlink=True)
+
+
+def test_a_tensor_written_at_an_offset_reads_back():
+    arena = _Arena(4096)
+    try:
+        offset = arena.take(40)
+        arena.tensor(offset, torch.float32, 10).copy_(torch.arange(10.0))
+        assert offset % _ALIGNMENT == 0
+        assert torch.equal(arena.tensor(offset, torch.float32, 10), torch.arange(10.0))
+        assert arena.tensor(offset, torch.float32, 0).numel() == 0
+    finally:
+        arena.close(unlink=True)

@@ -1,0 +1,323 @@
+"""``offload_to_cpu(worker="process")``: the plain Metric's values, bit for bit, from a copy in a worker process."""
+
+import copy
+import pickle
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from _metrics import ELEMENT_METRICS, WRAPPERS, Gram, SeesLayout, binary, flatten, run_wrapper
+from torch import Tensor
+from torchmetrics import CatMetric, MeanMetric, MetricCollection, SumMetric
+from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, MulticlassPrecision
+from torchmetrics.wrappers import MetricTracker
+
+from lightning_store import offload_to_cpu
+from lightning_store.metrics import _in_process
+from lightning_store.metrics._offloaded import _queue_of
+
+
+def _assert_same(a, b):
+    flat_a, flat_b = flatten(a), flatten(b)
+    assert len(flat_a) == len(flat_b)
+    for x, y in zip(flat_a, flat_b, strict=True):
+        if not isinstance(x, Tensor):
+            assert type(x) is type(y) and x == y, (x, y)
+            continue
+        assert x.dtype == y.dtype and x.device == y.device and torch.equal(x, y), (x, y)
+
+
+def _pair(make):
+    return offload_to_cpu(make(), worker="process"), make()
+
+
+def _batches(count=4, size=50, seed=0):
+    return [binary(seed + i, size) for i in range(count)]
+
+
+READS = {
+    "compute": lambda m: m.compute(),
+    "a state attribute": lambda m: (list(m.preds), list(m.target)),
+    "update_count": lambda m: torch.tensor(m.update_count),
+    "state_dict": lambda m: m.state_dict(),
+    "forward, then compute": lambda m: (m(*binary(99, 10)), m.compute()),
+    "reset, then an update": lambda m: (m.reset(), m.update(*binary(98, 10)), m.compute())[2],
+    "load_state_dict, then an update": lambda m: (
+        m.load_state_dict({"preds": [torch.linspace(0, 1, 3)], "target": [torch.ones(3, dtype=torch.long)]}),
+        m.update(*binary(97, 10)),
+        m.compute(),
+    )[2],
+    "pickle": lambda m: pickle.loads(pickle.dumps(m)).compute(),
+    "deepcopy": lambda m: copy.deepcopy(m).compute(),
+    "clone, then an update of each": lambda m: _updated_both(m, m.clone()),
+    "to float64": lambda m: (m.to(torch.float64), [t.dtype for t in m.preds], m.compute())[1:],
+}
+
+
+def _updated_both(a, b):
+    a.update(*binary(96, 10))
+    b.update(*binary(95, 10))
+    return a.compute(), b.compute()
+
+
+@pytest.mark.parametrize("read", READS)
+def test_every_read_sees_every_earlier_update_and_what_it_changes_reaches_the_worker(read):
+    offloaded, plain = _pair(lambda: BinaryAUROC(thresholds=None))
+    for batch in _batches():
+        offloaded.update(*batch)
+        plain.update(*batch)
+    _assert_same(READS[read](offloaded), READS[read](plain))
+    offloaded.update(*binary(50, 10))  # after the read, the worker process gets the object again
+    plain.update(*binary(50, 10))
+    _assert_same(offloaded.compute(), plain.compute())
+    assert all(t.is_cpu for t in offloaded.preds)
+
+
+@pytest.mark.parametrize("name", sorted(set(WRAPPERS) - {"BootStrapper"}))
+def test_wrappers_and_collections_give_the_plain_values(name):
+    make, _ = WRAPPERS[name]
+    batches = [(seed, 6) for seed in range(4)]
+    _assert_same(
+        run_wrapper(name, offload_to_cpu(make(), worker="process"), batches), run_wrapper(name, make(), batches)
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENT_METRICS))
+def test_metrics_keeping_one_element_per_item_give_the_plain_values(name):
+    make, data = ELEMENT_METRICS[name]
+    offloaded, plain = _pair(make)
+    for seed in range(3):
+        items = data(seed, 4)
+        offloaded.update(items)
+        plain.update([t.clone() for t in items])
+    _assert_same(offloaded.compute(), plain.compute())
+
+
+def test_a_collection_with_compute_groups_read_member_by_member_as_torchmetrics_tests_it():
+    def make():
+        return MetricCollection({"acc": MulticlassAccuracy(3), "prec": MulticlassPrecision(3)}, compute_groups=True)
+
+    offloaded, plain = _pair(make)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        for _ in range(2):
+            preds, target = torch.rand(10, 3, generator=generator), torch.randint(3, (10,), generator=generator)
+            offloaded.update(preds, target)
+            plain.update(preds, target)
+        for key in plain:  # each Metric read, then reset, before the next is read
+            got, expected = offloaded[key], plain[key]
+            _assert_same(got.compute(), expected.compute())
+            got.reset()
+            expected.reset()
+    assert offloaded.compute_groups == plain.compute_groups == {0: ["acc", "prec"]}
+
+
+def test_a_tracker_sends_the_copies_it_makes():
+    offloaded, plain = _pair(lambda: MetricTracker(MeanMetric(), maximize=True))
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for t in (offloaded, plain):
+            t.increment()
+        for _ in range(3):
+            x = torch.rand(5, generator=generator)
+            offloaded.update(x)
+            plain.update(x)
+        _assert_same(offloaded.compute(), plain.compute())
+    _assert_same(offloaded.compute_all(), plain.compute_all())
+
+
+def test_a_setting_changed_here_reaches_the_worker():
+    offloaded, plain = _pair(lambda: CatMetric(nan_strategy="ignore"))
+    nan = torch.tensor([1.0, float("nan")])
+    for m in (offloaded, plain):
+        m.update(nan)
+        m.nan_strategy = 0.0  # from now on, a NaN becomes 0
+        m.update(nan)
+    _assert_same(offloaded.compute(), plain.compute())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.randn(40, 64)[:, ::2], lambda: torch.randn(33, 64).T, lambda: torch.randn(1, 8).expand(5, 8)],
+    ids=["every other column", "transposed", "expanded"],
+)
+def test_the_metric_sees_the_layout_the_caller_passed(make):
+    offloaded, plain = _pair(SeesLayout)
+    for _ in range(2):
+        x = make()
+        offloaded.update(x)
+        plain.update(x)
+    _assert_same(offloaded.compute(), plain.compute())
+
+
+@pytest.mark.parametrize(
+    "context",
+    [
+        lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.inference_mode,
+        lambda: _default_dtype(torch.float64),
+    ],
+    ids=["cpu autocast", "inference mode", "another default dtype"],
+)
+def test_an_update_runs_with_the_callers_torch_state(context):
+    offloaded, plain = _pair(Gram)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(16, 4, generator=generator)
+        with context():
+            offloaded.update(x)
+            plain.update(x)
+    _assert_same(offloaded.compute(), plain.compute())
+
+
+class _default_dtype:
+    def __init__(self, dtype):
+        self.dtype, self.before = dtype, torch.get_default_dtype()
+
+    def __enter__(self):
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self.before)
+
+
+class AddsATensor(SumMetric):
+    """Adds a tensor made with the default dtype: its value depends on it."""
+
+    def update(self, value: Tensor) -> None:
+        super().update(value + torch.tensor(1 / 3))
+
+
+def test_the_default_dtype_at_the_call_is_the_one_the_update_runs_with():
+    offloaded, plain = _pair(AddsATensor)
+    for m in (offloaded, plain):
+        with _default_dtype(torch.float64):
+            m.update(torch.ones(2, dtype=torch.float64))
+    _assert_same(offloaded.compute(), plain.compute())
+
+
+class Fails(SumMetric):
+    def update(self, value: Tensor) -> None:
+        if value.sum() < 0:
+            raise ValueError("Expected non-negative values")
+        super().update(value)
+
+
+def test_an_update_that_raises_there_raises_at_the_next_call_with_the_plain_state():
+    offloaded, plain = _pair(Fails)
+    for m in (offloaded, plain):
+        m.update(torch.ones(2))
+    with pytest.raises(ValueError, match="Expected non-negative values"):
+        plain.update(-torch.ones(2))
+    for x in (-torch.ones(2), torch.ones(2), torch.ones(2)):
+        offloaded.update(x)
+    with pytest.raises(
+        ValueError, match=r"^Fails.update raised in lightning-store's offload worker, at update #2"
+    ) as err:
+        offloaded.compute()
+    assert "The 2 update(s) queued after it were not run" in str(err.value)
+    assert isinstance(err.value.__cause__, ValueError)
+    assert "Traceback" in str(err.value.__cause__.__cause__)  # the worker process's traceback
+    _assert_same((offloaded.compute(), offloaded.update_count), (plain.compute(), plain.update_count))
+    for m in (offloaded, plain):
+        m.update(torch.ones(2))  # new updates run again
+    _assert_same(offloaded.compute(), plain.compute())
+
+
+def test_a_warning_there_is_given_again_here_once():
+    offloaded = offload_to_cpu(CatMetric(nan_strategy="warn"), worker="process")
+    offloaded.update(torch.tensor([1.0, float("nan")]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offloaded.compute()
+    assert [w.category for w in caught] == [UserWarning]
+    assert "values in tensor" in str(caught[0].message)
+    assert str(caught[0].message).endswith(
+        "(given by CatMetric.update #1, which ran in lightning-store's offload worker)"
+    )
+    assert caught[0].filename == __file__
+
+
+DRAWS = {
+    "torch's CPU": lambda: float(torch.rand(())),
+    "Python's `random`": random.random,
+    "NumPy's `np.random`": lambda: float(np.random.rand()),
+}
+
+
+class DrawsOnLargeBatches(SumMetric):
+    def __init__(self, generator: str):
+        super().__init__()
+        self.generator = generator
+
+    def update(self, value: Tensor) -> None:
+        super().update(value + (DRAWS[self.generator]() if value.numel() > 4 else 0))
+
+
+@pytest.mark.parametrize("generator", DRAWS)
+def test_a_draw_there_fails_the_update_and_moves_nothing_here(generator):
+    offloaded = offload_to_cpu(DrawsOnLargeBatches(generator), worker="process")
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    offloaded.update(torch.ones(2))
+    offloaded.update(torch.ones(8))
+    with pytest.raises(
+        RuntimeError, match=f"at update #2 since offload_to_cpu: it drew random numbers from {generator}"
+    ):
+        offloaded.compute()
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert np.array_equal(np.random.get_state()[1], states[2])
+
+
+class Unpicklable(SumMetric):
+    def __init__(self):
+        super().__init__()
+        self.transform = lambda x: x
+
+
+def test_what_a_worker_process_cannot_take_is_refused_with_a_hint():
+    with pytest.raises(
+        TypeError, match=r"^offload_to_cpu\(worker='process'\) got a Unpicklable that cannot be pickled"
+    ):
+        offload_to_cpu(Unpicklable(), worker="process")
+    with pytest.raises(ValueError, match=r"^Expected worker to be 'thread' or 'process', got 'threads'\. HINT"):
+        offload_to_cpu(SumMetric(), worker="threads")  # type: ignore[arg-type]
+    metric = offload_to_cpu(SumMetric())
+    with pytest.raises(ValueError, match=r"offloaded already with worker='thread'.*HINT: pass worker='thread'"):
+        offload_to_cpu(metric, worker="process")
+
+
+def test_a_worker_process_that_ends_is_said_and_reset_goes_on():
+    offloaded = offload_to_cpu(SumMetric(), worker="process")
+    offloaded.update(torch.ones(2))
+    offloaded.compute()
+    offloaded.update(torch.ones(2))  # run there, not read back
+    _in_process._worker.flush()
+    _in_process._worker.process.kill()
+    _in_process._worker.process.join(10)
+    for read in (lambda: offloaded.compute(), lambda: offloaded.update_count, lambda: offloaded.sum_value):
+        with pytest.raises(RuntimeError, match=r"^SumMetric: lightning-store's offload worker process ended"):
+            read()  # every read says so, until `reset()`
+    offloaded.reset()
+    assert _queue_of(offloaded).lost is None
+    offloaded.update(torch.ones(3))
+    assert offloaded.compute() == 3.0  # a new worker process
+
+
+def test_an_unpickled_collection_sends_itself_whole_and_goes_on():
+    def make():
+        return MetricCollection({"acc": MulticlassAccuracy(3), "prec": MulticlassPrecision(3)})
+
+    offloaded, plain = _pair(make)
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.rand(10, 3, generator=generator), torch.randint(3, (10,), generator=generator)) for _ in range(4)]
+    for batch in batches[:2]:
+        offloaded.update(*batch)
+        plain.update(*batch)
+    copied = pickle.loads(pickle.dumps(offloaded))
+    assert _queue_of(copied["acc"]) is _queue_of(copied) and _queue_of(copied).root is copied
+    for batch in batches[2:]:
+        copied["prec"].update(*batch)  # a Metric of the collection, alone
+        plain["prec"].update(*batch)
+    _assert_same(copied["prec"].compute(), plain["prec"].compute())
