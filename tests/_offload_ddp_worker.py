@@ -5,9 +5,11 @@ data: synced by torchmetrics on the same 2 processes where it can sync, else in 
 elements in the order documented for ``_sync_dist`` (element by element, in rank order). Then, in the same process
 group, a Lightning fit of a module holding an offloaded ``BinaryAUROC`` and of the same module holding a plain one.
 
-Usage: RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python tests/_offload_ddp_worker.py OUT_DIR
+Usage: RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... [OFFLOAD_WORKER=process]
+python tests/_offload_ddp_worker.py OUT_DIR
 """
 
+import os
 import sys
 import time
 import warnings
@@ -33,6 +35,7 @@ from lightning_store import offload_to_cpu
 from lightning_store.metrics._offloaded import _is_offloaded, _queue_of
 
 SLOW_S = 0.01  # how long a slow update takes, on the rank that is slow
+WORKER = os.environ.get("OFFLOAD_WORKER", "thread")  # the worker every Metric here is offloaded to
 
 
 def _labels(seed, size):
@@ -146,7 +149,7 @@ def _compute_equals_plain(rank):
     """Scenario 1: the same number of updates on every rank, compute on both."""
     checks = {}
     for name, (make, data) in TENSOR_METRICS.items():
-        offloaded, plain = offload_to_cpu(make()), make()
+        offloaded, plain = offload_to_cpu(make(), worker=WORKER), make()
         for batch in _batches(data, rank, 3):
             offloaded.update(*batch)
             plain.update(*batch)
@@ -163,7 +166,7 @@ def _uneven(rank, world):
     for counts in ((3, 1), (0, 2)):
         suffix = f"{counts[0]}_{counts[1]}"
         for name, (make, data) in TENSOR_METRICS.items():
-            offloaded, plain = offload_to_cpu(make()), make()
+            offloaded, plain = offload_to_cpu(make(), worker=WORKER), make()
             for batch in _batches(data, rank, counts[rank]):
                 offloaded.update(*batch)
                 plain.update(*batch)
@@ -175,7 +178,7 @@ def _uneven(rank, world):
                 checks[f"{name}_{suffix}"] = _record([got], [_quiet(plain.compute)])
         # plain torchmetrics gathers these element by element, which needs the same count on every rank
         for name, (make, _) in ELEMENT_METRICS.items():
-            offloaded = offload_to_cpu(make())
+            offloaded = offload_to_cpu(make(), worker=WORKER)
             expected, by_rank = _ordered(name, counts)
             for batch in by_rank[rank]:
                 offloaded.update(batch)
@@ -190,7 +193,7 @@ def _sync_on_step(rank):
         makers[name] = (make, lambda seed, size, elements=elements: (elements(seed, 2),))
     checks = {}
     for name, (make, data) in makers.items():
-        offloaded, plain = offload_to_cpu(make(dist_sync_on_step=True)), make(dist_sync_on_step=True)
+        offloaded, plain = offload_to_cpu(make(dist_sync_on_step=True), worker=WORKER), make(dist_sync_on_step=True)
         got, expected = [], []
         for step, batch in enumerate(_batches(data, rank, 5)):
             if step % 2:
@@ -210,7 +213,7 @@ def _collection_and_wrappers(rank):
         return MetricCollection([BinaryAccuracy(), BinaryPrecision(), BinaryRecall()])
 
     checks = {}
-    offloaded, plain = offload_to_cpu(collection()), collection()
+    offloaded, plain = offload_to_cpu(collection(), worker=WORKER), collection()
     got, expected = [], []
     for step, batch in enumerate(_batches(binary, rank, 4)):
         if step == 2:
@@ -232,7 +235,7 @@ def _collection_and_wrappers(rank):
         if name == "BootStrapper":
             continue
         got, expected = (
-            _quiet(run_wrapper, name, offload_to_cpu(make()), batches),
+            _quiet(run_wrapper, name, offload_to_cpu(make(), worker=WORKER), batches),
             _quiet(run_wrapper, name, make(), batches),
         )
         checks[f"wrapper_{name}"] = _record(got, expected, synced=False)  # with values of `forward`
@@ -244,7 +247,7 @@ def _many_queued(rank):
     collective on every rank (the slow rank reaches it last, the other waits for it there)."""
     checks = {}
     delay = SLOW_S if rank == 0 else 0.0
-    offloaded, plain = offload_to_cpu(SlowAUROC(delay), max_pending=2), BinaryAUROC(thresholds=None)
+    offloaded, plain = offload_to_cpu(SlowAUROC(delay), max_pending=2, worker=WORKER), BinaryAUROC(thresholds=None)
     for batch in _batches(binary, rank, 20):
         offloaded.update(*batch)
         plain.update(*batch)
@@ -255,7 +258,7 @@ def _many_queued(rank):
 
     counts = (20, 7)  # uneven: torchmetrics cannot sync these, the oracle is the documented order
     delay = SLOW_S if rank == 1 else 0.0
-    offloaded = offload_to_cpu(SlowSequenceMax(delay), max_pending=2)
+    offloaded = offload_to_cpu(SlowSequenceMax(delay), max_pending=2, worker=WORKER)
     expected, by_rank = _ordered("sequence_max", counts, per_update=3)
     for batch in by_rank[rank]:
         offloaded.update(batch)
@@ -273,7 +276,7 @@ class AUROCModel(pl.LightningModule):
         super().__init__()
         self.layer = torch.nn.Linear(1, 1)
         auroc = BinaryAUROC(thresholds=None)
-        self.auroc = offload_to_cpu(auroc) if offload else auroc
+        self.auroc = offload_to_cpu(auroc, worker=WORKER) if offload else auroc
 
     def training_step(self, batch, batch_idx):
         x, target = batch

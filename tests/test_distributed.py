@@ -98,10 +98,12 @@ def test_the_flag_keeps_every_key_and_the_metrics_list_states_on_the_cpu_on_ever
 OFFLOAD_WORKER = Path(__file__).with_name("_offload_ddp_worker.py")
 
 
-@pytest.fixture(scope="module")
-def offload_run(tmp_path_factory):
-    """Both ranks' checks of the scenarios in ``_offload_ddp_worker.py``, one process per rank (and a fit)."""
-    return run_workers(OFFLOAD_WORKER, tmp_path_factory.mktemp("offload_ddp"))
+@pytest.fixture(scope="module", params=["thread", "process"])
+def offload_run(tmp_path_factory, request):
+    """Both ranks' checks of the scenarios in ``_offload_ddp_worker.py``, one process per rank (and a fit), with
+    every Metric offloaded to a worker thread, then to a worker process."""
+    out = tmp_path_factory.mktemp(f"offload_ddp_{request.param}")
+    return run_workers(OFFLOAD_WORKER, out, OFFLOAD_WORKER=request.param)
 
 
 def _offload_checks(offload_run, scenario, expected):

@@ -321,3 +321,25 @@ def test_an_unpickled_collection_sends_itself_whole_and_goes_on():
         copied["prec"].update(*batch)  # a Metric of the collection, alone
         plain["prec"].update(*batch)
     _assert_same(copied["prec"].compute(), plain["prec"].compute())
+
+
+def test_inputs_whose_copies_land_late_are_sent_once_landed_in_order(monkeypatch):
+    """As CUDA inputs: copied without a host sync, written into the arena and sent when the copy has landed."""
+    from _support import ManualTransfer
+
+    from lightning_store.metrics import _inputs_shared
+
+    transfer = ManualTransfer()
+    monkeypatch.setattr(_inputs_shared, "_transfer_for", lambda device: transfer)
+    offloaded, plain = _pair(CatMetric)
+    for value in range(3):
+        x = torch.full((4,), float(value))
+        offloaded.update(x)
+        plain.update(x.clone())
+        x.add_(100)  # after the call: the copy holds the value at the call
+    assert len(_in_process._worker.outbox) == 3  # none landed: none sent
+    transfer.copies[0].land()
+    _in_process._worker.flush(wait=False)
+    assert len(_in_process._worker.outbox) == 2 and not transfer.copies[1].waited  # the first went, in order
+    _assert_same(offloaded.compute(), plain.compute())  # a read waits for every copy
+    assert all(c.waited and c.released for c in transfer.copies[1:])

@@ -86,19 +86,24 @@ def test_inputs_nested_in_collections_keep_their_layout():
 def test_cpu_copies_go_through_buffers_reused_and_kept_for_the_latest_lengths_only(monkeypatch):
     monkeypatch.setattr(_inputs, "_host_pools", OrderedDict())  # none kept from other tests
     metric, plain = offload_to_cpu(CatMetric()), CatMetric()
-    x = torch.arange(6.0)
+    size = _inputs._SMALL_BYTES // 4 + 1  # a small tensor is copied into memory of its own instead
+    x = torch.arange(float(size))
     offset = x.data_ptr() % 64 // 4
     for _ in range(3):
         metric.update(x)
         plain.update(x.clone())
         metric.compute()  # landed: its buffer is back in the pool
         x.add_(1)
-    assert len(_inputs._host_pools[(torch.float32, offset + 6)]) == 1  # one buffer served the three copies
+    assert len(_inputs._host_pools[(torch.float32, offset + size)]) == 1  # one buffer served the three copies
     for n in range(1, 3 * _inputs._POOL_SHAPES):  # inputs of varying shapes
-        metric.update(torch.arange(float(n)))
-        plain.update(torch.arange(float(n)))
+        metric.update(torch.arange(float(size + n)))
+        plain.update(torch.arange(float(size + n)))
     assert torch.equal(metric.compute(), plain.compute())
     assert len(_inputs._host_pools) == _inputs._POOL_SHAPES
+    small = torch.arange(6.0)
+    metric.update(small)
+    plain.update(small)
+    assert torch.equal(metric.compute(), plain.compute()) and len(_inputs._host_pools) == _inputs._POOL_SHAPES
 
 
 def test_a_buffer_made_in_inference_mode_serves_a_copy_outside_it():

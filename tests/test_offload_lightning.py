@@ -2,6 +2,7 @@
 
 import warnings
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from _metrics import flatten
@@ -25,7 +26,7 @@ def _data(seed: int = 0) -> DataLoader:
 class MetricsModel(pl.LightningModule):
     """Every way a Metric object is logged: on_step through ``forward``, on_epoch after ``update``, a collection."""
 
-    def __init__(self, offload: bool = False):
+    def __init__(self, offload: bool | str = False):
         super().__init__()
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(4, 1)
@@ -33,9 +34,9 @@ class MetricsModel(pl.LightningModule):
         self.step_mean = MeanMetric()
         self.scores = MetricCollection([BinaryAccuracy(), BinaryPrecision(), BinaryRecall()], prefix="val_")
         self.auroc.persistent(True)
-        if offload:
+        if offload:  # True: the default worker; or "thread", "process"
             for metric in (self.auroc, self.step_mean, self.scores):
-                offload_to_cpu(metric)
+                offload_to_cpu(metric, worker=offload if isinstance(offload, str) else "thread")
         self.reports: list = []
 
     def forward(self, x):
@@ -97,8 +98,12 @@ def _fit(tmp_path, offload, **kwargs):
     return model, trainer
 
 
-def test_logged_values_are_the_plain_ones_bit_for_bit(tmp_path):
-    offloaded, trainer = _fit(tmp_path / "offloaded", offload=True)
+WORKERS = pytest.mark.parametrize("worker", ["thread", "process"])
+
+
+@WORKERS
+def test_logged_values_are_the_plain_ones_bit_for_bit(tmp_path, worker):
+    offloaded, trainer = _fit(tmp_path / "offloaded", offload=worker)
     _, plain = _fit(tmp_path / "plain", offload=False)
     assert_same(trainer.callback_metrics, plain.callback_metrics)
     assert len(trainer.logger.history) == len(plain.logger.history) > 8
@@ -121,8 +126,9 @@ def test_storage_report_shows_each_offloaded_metric(tmp_path):
     assert not plain_rows["auroc"].offloaded and plain_rows["auroc"].bytes == auroc.bytes
 
 
-def test_a_checkpoint_of_an_offloaded_module_loads_into_a_plain_one_and_back(tmp_path):
-    offloaded, trainer = _fit(tmp_path, offload=True, max_epochs=1)
+@WORKERS
+def test_a_checkpoint_of_an_offloaded_module_loads_into_a_plain_one_and_back(tmp_path, worker):
+    offloaded, trainer = _fit(tmp_path, offload=worker, max_epochs=1)
     for seed in range(3):  # after the fit, which reset it: queued when the checkpoint is saved
         offloaded.auroc.update(torch.rand(4, generator=torch.Generator().manual_seed(seed)), torch.tensor([0, 1, 1, 0]))
     path = tmp_path / "offloaded.ckpt"
@@ -130,22 +136,23 @@ def test_a_checkpoint_of_an_offloaded_module_loads_into_a_plain_one_and_back(tmp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plain = MetricsModel.load_from_checkpoint(path, offload=False)
-        again = MetricsModel.load_from_checkpoint(path, offload=True)
+        again = MetricsModel.load_from_checkpoint(path, offload=worker)
     _same_states(_states(plain.auroc), _states(offloaded.auroc))
     assert len(plain.auroc.preds) == 3
     _same_states(_states(again.auroc), _states(plain.auroc))
     assert _is_offloaded(again.auroc) and again.auroc.preds[0].device.type == "cpu"
     plain_path = tmp_path / "plain.ckpt"
     torch.save({"state_dict": plain.state_dict()}, plain_path)
-    back = MetricsModel(offload=True)
+    back = MetricsModel(offload=worker)
     back.load_state_dict(torch.load(plain_path)["state_dict"])
     _same_states(_states(back.auroc), _states(plain.auroc))
     assert torch.equal(back.auroc.compute(), plain.auroc.compute())
 
 
-def test_validate_then_fit_gives_the_plain_values(tmp_path):
+@WORKERS
+def test_validate_then_fit_gives_the_plain_values(tmp_path, worker):
     outcomes = []
-    for offload in (True, False):
+    for offload in (worker, False):
         model, trainer = MetricsModel(offload), _trainer(tmp_path / str(offload), max_epochs=1)
         validated = trainer.validate(model, _data(1), verbose=False)
         try:

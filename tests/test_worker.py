@@ -163,3 +163,64 @@ def test_a_read_after_exit_dropped_updates_says_so():
     )
     assert out.startswith("Slow: ") and "update(s) were still queued when the process began to exit" in out
     assert "HINT: read the Metric (`compute()`) before the process exits" in out
+
+
+# with worker="process": the Metrics of these scripts are torchmetrics' own (a class of `python -c` cannot be
+# imported by the worker process); the worker process's start, a second or more, keeps the first updates pending
+
+
+def test_dataloader_workers_forked_beside_a_worker_process_leave_it_alone():
+    out = _ok(
+        _run("""
+        from torch.utils.data import DataLoader
+        metric, plain = offload_to_cpu(SumMetric(), worker="process"), SumMetric()
+        for value in range(20):
+            metric.update(torch.tensor(float(value)))
+            plain.update(torch.tensor(float(value)))
+        print("pending at the fork", metric._offload.ahead())
+        loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, multiprocessing_context="fork")
+        for epoch in range(2):
+            seen = [int(x) for batch in loader for x in batch]
+            metric.update(torch.tensor(float(epoch)))
+            plain.update(torch.tensor(float(epoch)))
+        print(seen == list(range(8)), bool(metric.compute() == plain.compute()))
+        """)
+    )
+    assert out.split("\n")[:2] == ["pending at the fork True", "True True"]
+
+
+def test_a_forked_child_reads_a_metric_whose_worker_process_was_ahead_only_to_be_told():
+    out = _ok(
+        _run("""
+        ahead = offload_to_cpu(SumMetric(), worker="process")
+        settled = offload_to_cpu(SumMetric(), worker="process")
+        for value in range(10):
+            ahead.update(torch.tensor(float(value)))
+            settled.update(torch.tensor(float(value)))
+        settled.compute()
+        pid = os.fork()
+        if pid == 0:  # the child: a worker process of its own for `settled`; `ahead`'s updates are not here
+            settled.update(torch.tensor(100.0))
+            try:
+                ahead.compute()
+                os._exit(3)
+            except RuntimeError as error:
+                told = "It was copied into a forked process" in str(error)
+            os._exit(0 if told and float(settled.compute()) == 145.0 else 4)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), float(ahead.compute()), float(settled.compute()))
+        """)
+    )
+    assert out.split("\n")[0] == "0 45.0 45.0"
+
+
+def test_the_process_exits_promptly_with_updates_pending_in_a_worker_process():
+    result = _run("""
+        metric = offload_to_cpu(SumMetric(), worker="process", max_pending=1000)
+        for value in range(200):
+            metric.update(torch.tensor(float(value)))
+        print("queued", metric._offload.pending, flush=True)
+        """)
+    out = _ok(result)
+    assert out.startswith("queued ") and int(out.split()[1]) > 0
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr, result.stderr

@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 from torch.nn import Module
 
+from lightning_store.metrics import _pickling
 from lightning_store.metrics._arena import _Arena, _attach
 from lightning_store.metrics._inputs_shared import _read_inputs
 from lightning_store.metrics._worker import _Inline
@@ -43,6 +44,7 @@ class _Worker:
         self.broken: dict[int, tuple] = {}  # an object that could not be made here: the error, for each update
         self.failed: set[int] = set()  # an object whose update failed: its next updates are not run, until resumed
         self.arenas = _Arenas()
+        self.state: Any = None  # the caller's torch state of the last update
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         # answers go out from a thread of their own: this one keeps reading, so neither side waits on a full pipe
         self.sender = threading.Thread(target=self._send_all, name="lightning-store-answers", daemon=True)
@@ -92,7 +94,9 @@ class _Worker:
         warnings.filters[:] = filters  # type: ignore[index]
 
     def _update(self, object_id: int, number: int, path: str, inputs: tuple, state: Any) -> None:
-        self._run(object_id, number, path, inputs, state, "update", spent=True)
+        if state is not None:  # else the same as the last update's
+            self.state = state
+        self._run(object_id, number, path, inputs, self.state, "update", spent=True)
 
     def _call(self, object_id: int, path: str, method: str, args: tuple) -> None:
         self._run(object_id, None, path, ((), {}), None, method, spent=False, call_args=args)
@@ -120,7 +124,7 @@ class _Worker:
     def _pull(self, object_id: int) -> None:
         obj = self.objects.get(object_id)
         values = [] if obj is None else [_data_of(module) for module in obj.modules()]
-        self.outbox.put(("states", object_id, pickle.dumps(values)))
+        self.outbox.put(("states", object_id, _pickling.dumps(values)))
 
 
 def _run_one(target: Module, method: str, inputs: tuple, state: Any, call_args: tuple, arenas: _Arenas) -> tuple:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.nn import Module
 
+from lightning_store.metrics import _pickling
 from lightning_store.metrics._arena import _Arena
 from lightning_store.metrics._guard import _Refused
 from lightning_store.metrics._inputs_shared import _Outgoing
@@ -158,7 +159,7 @@ class _ProcessQueue(_Queue):
         if self.sent:
             return
         with _Inline():  # pickled as it is here: nothing is pending
-            payload = pickle.dumps(self.root)
+            payload = _pickling.dumps(self.root)
         _worker.send(("replace", self.id, payload))
         self.sent = True
 
@@ -216,9 +217,11 @@ class _ProcessWorker:
         self.queues: weakref.WeakValueDictionary[int, _ProcessQueue] = weakref.WeakValueDictionary()
         self.ids = 0
         self.arena: _Arena | None = None
-        self.in_flight: deque[_Arena] = deque()  # the arena of each update sent and not answered, oldest first
-        self.outbox: deque[tuple[_ProcessQueue, tuple, _Outgoing, _CallerState, _Arena]] = deque()
+        # the arena of each update sent and not answered, oldest first (None: its inputs went with the message)
+        self.in_flight: deque[_Arena | None] = deque()
+        self.outbox: deque[tuple[_ProcessQueue, tuple, _Outgoing, _CallerState, _Arena | None]] = deque()
         self.filters: tuple = ()  # the warnings filters the worker process has
+        self.state: _CallerState | None = None  # the caller's torch state the worker process has
         self.pulled: dict[int, bytes] = {}
         self.stopping = False
 
@@ -244,17 +247,22 @@ class _ProcessWorker:
         _register_process_hooks()
 
     def send(self, message: tuple) -> None:
+        self.send_bytes(pickle.dumps(message))
+
+    def send_bytes(self, payload: bytes) -> None:
         if self.conn is None:
             self.start()
         try:
-            self.conn.send(message)
+            self.conn.send_bytes(payload)
         except (OSError, ValueError):
             self._lost()
 
     def send_update(self, queue: _ProcessQueue, head: tuple, outgoing: _Outgoing, state: _CallerState) -> None:
         """Take arena space for ``outgoing`` (waiting for answers if need be), write it, send it once it landed."""
-        arena, offset = self._space(outgoing.nbytes)
-        outgoing.place(arena, offset)
+        arena: _Arena | None = None
+        if outgoing.nbytes:
+            arena, offset = self._space(outgoing.nbytes)
+            outgoing.place(arena, offset)
         self.in_flight.append(arena)
         self.outbox.append((queue, head, outgoing, state, arena))
         self.flush(wait=False)
@@ -267,12 +275,15 @@ class _ProcessWorker:
         """Send the updates whose inputs have landed, in order (with ``wait``, all of them)."""
         while self.outbox and (wait or self.outbox[0][2].ready()):
             _, head, outgoing, state, arena = self.outbox.popleft()
-            outgoing.land(arena)
+            if arena is not None:
+                outgoing.land(arena)
             filters = tuple(warnings.filters)
             if filters != self.filters:  # the update warns as it would here
                 self.send(("filters", [entry for entry in filters if _pickles(entry)]))
                 self.filters = filters
-            self.send((*head, outgoing.inputs, state))
+            same = state == self.state  # most often: sent once, and the worker process keeps it
+            self.state = state
+            self.send_bytes(_pickling.dumps((*head, outgoing.inputs, None if same else state)))
 
     def _space(self, nbytes: int) -> tuple[_Arena, int]:
         if self.arena is None or nbytes > self.arena.size // 2:
@@ -311,9 +322,10 @@ class _ProcessWorker:
         _, queue_id, number, error, kept, drawn, discarded, spent = message
         if spent:
             arena = self.in_flight.popleft()
-            arena.give_back()
-            if getattr(arena, "retired", False) and not arena.spans:
-                self._forget(arena)
+            if arena is not None:
+                arena.give_back()
+                if getattr(arena, "retired", False) and not arena.spans:
+                    self._forget(arena)
         queue = self.queues.get(queue_id)
         if queue is not None:
             queue.on_done(number, error, kept, drawn, discarded)
@@ -340,7 +352,7 @@ class _ProcessWorker:
                 queue.lost = reason
                 queue.pending = 0
         self.conn, self.process, self.in_flight, self.outbox = None, None, deque(), deque()
-        self.filters = ()
+        self.filters, self.state = (), None
 
     def stop(self) -> None:
         """Let the worker process end, dropping the updates it has not run (at exit), and free the arenas."""
@@ -356,6 +368,7 @@ class _ProcessWorker:
                 self.process.terminate()
         for arena in {*self.in_flight, *(arena for *_, arena in self.outbox), self.arena} - {None}:
             arena.close(unlink=True)  # type: ignore[union-attr]
+        self.arena = None
 
 
 def _pickles(obj: Any) -> bool:

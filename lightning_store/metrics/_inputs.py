@@ -70,6 +70,8 @@ class _InFlight:
         self.copy: _Copy | _HostCopy
         if transfer is not None:
             self.copy = transfer.start(tensor, snapshot=True)  # the training stream never waits for the copy
+        elif _small_and_whole(tensor):  # a loss, a few predictions: a copy of its own has the very same layout
+            self.copy = _Landed(tensor)
         elif tensor.is_cpu and tensor.layout == torch.strided and not tensor.is_quantized and tensor.numel():
             self.copy = _HostCopy(tensor)
         else:  # another device (MPS), or a tensor with no strided memory: a blocking copy of its own, as `.cpu()`
@@ -91,6 +93,21 @@ class _InFlight:
 
 
 _FLAT = (Tensor, int, float, bool, str, type(None))  # what an update's arguments most often are: no collection
+
+
+_SMALL_BYTES = 64 * 2**10  # below it, a copy into memory just allocated costs little: no buffer kept for it
+
+
+def _small_and_whole(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a small CPU tensor that starts its memory and is contiguous, aligned as torch aligns."""
+    return (
+        tensor.is_cpu
+        and tensor.layout == torch.strided
+        and tensor.numel() * tensor.element_size() <= _SMALL_BYTES
+        and tensor.is_contiguous()
+        and tensor.data_ptr() % _ALIGNMENT == 0
+        and not tensor.is_quantized
+    )
 
 
 def _start_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from lightning_store._buffer import _Copy, _transfer_for
 from lightning_store.metrics._arena import _ALIGNMENT, _aligned, _Arena
+from lightning_store.metrics._inputs import _FLAT, _small_and_whole
 
 
 class _InArena:
@@ -50,14 +51,20 @@ class _Outgoing:
     def __init__(self, args: tuple, kwargs: dict) -> None:
         self.pending: list[tuple[_InArena, _Copy]] = []
         self.written: list[tuple[_InArena, Tensor]] = []
-        self.inputs = apply_to_collection((args, kwargs), Tensor, self._describe)
+        if all(isinstance(a, _FLAT) for a in args) and all(isinstance(v, _FLAT) for v in kwargs.values()):
+            self.inputs: Any = (
+                tuple(self._describe(a) if isinstance(a, Tensor) else a for a in args),
+                {k: self._describe(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()},
+            )
+        else:
+            self.inputs = apply_to_collection((args, kwargs), Tensor, self._describe)
         self.nbytes = sum(where.nbytes for where, _ in (*self.pending, *self.written))
 
     def _describe(self, tensor: Tensor) -> Any:
         tensor = tensor.detach()
-        if tensor.layout != torch.strided or tensor.is_quantized:
-            return tensor.to("cpu", copy=True)  # pickled with the message, as it is
         transfer = _transfer_for(tensor.device)
+        if transfer is None and (tensor.layout != torch.strided or tensor.is_quantized or _small_and_whole(tensor)):
+            return tensor.to("cpu", copy=True)  # pickled with the message: a loss, a few predictions
         if transfer is not None:
             copy = transfer.start(tensor, snapshot=True)  # its host tensor has the layout `tensor.cpu()` gives
             shape, stride = tuple(tensor.shape), _dense_stride(tensor)

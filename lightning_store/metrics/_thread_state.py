@@ -94,6 +94,23 @@ class _CallerState:
         self.flush = _flushes_subnormals()
         self.default_dtype = torch.get_default_dtype()
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CallerState) and self._values() == other._values()
+
+    def _values(self) -> tuple:
+        return (
+            self.threads,
+            self.grad,
+            self.inference,
+            self.keys,
+            self.autocast,
+            self.cache,
+            self.flush,
+            self.default_dtype,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
     @contextlib.contextmanager
     def applied(self, default_dtype: bool = False) -> Iterator[None]:
         """This thread's torch state set to the caller's while the block runs, and set back after it.
