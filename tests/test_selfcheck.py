@@ -21,6 +21,7 @@ from lightning_store._selfcheck import (
     _in_place,
     _metric,
     _offload,
+    _offload_pays,
     _render,
     _timing,
     _values,
@@ -38,6 +39,7 @@ CHECK_IDS = [
     "metric_nccl_sync",
     "in_place",
     "offload",
+    "offload_pays",
 ]
 IN_PLACE_NEEDS = "the copies to the CPU run on a side stream on CUDA only"
 OFFLOAD_NEEDS = "the inputs' copies to the CPU without a host sync are CUDA's"
@@ -151,6 +153,12 @@ def test_on_a_machine_without_cuda_the_cpu_checks_pass_and_the_cuda_checks_skip_
     assert offload["detail"].endswith(f"; its CUDA part skipped ({NO_CUDA}{OFFLOAD_NEEDS})")
     assert offload["data"]["cuda"] is None and offload["data"]["cuda_skipped"] == NO_CUDA + OFFLOAD_NEEDS
     assert offload["data"]["cpu"]["same"] == {"BinaryAUROC": True, "MulticlassConfusionMatrix": True}
+    pays = checks["offload_pays"]  # a measurement, on the CPU too: which worker, if any, pays beside such a step
+    assert pays["status"] == "INFO" and set(pays["data"]["ratios"]) == {"inline", "thread", "process"}
+    assert all(ratio > 0 for ratio in pays["data"]["ratios"].values())
+    best = pays["data"]["best"]
+    assert pays["detail"].endswith(f"(medians of {_offload_pays.ROUNDS} rounds of {_offload_pays.STEPS} steps)")
+    assert ("does not pay" in pays["detail"]) == (best == "inline") and best in pays["data"]["ratios"]
 
 
 @cpu_only

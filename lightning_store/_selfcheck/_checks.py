@@ -5,6 +5,7 @@ from ._cuda import check_nccl_sync_dist, check_no_sync
 from ._in_place import check_in_place
 from ._metric import check_metric_nccl_sync, check_metric_states
 from ._offload import check_offload
+from ._offload_pays import check_offload_pays
 from ._timing import check_step_time
 from ._values import check_storage, check_values
 
@@ -18,4 +19,5 @@ CHECKS: list[Check] = [
     Check("metric_nccl_sync", "Metric sync through NCCL", check_metric_nccl_sync),
     Check("in_place", "changed in place after the call", check_in_place),
     Check("offload", "Metric offloaded to the CPU", check_offload),
+    Check("offload_pays", "offloading pays here (measured)", check_offload_pays),
 ]

@@ -1,0 +1,67 @@
+"""Check 10, a measurement: whether offloading a Metric pays here beside a step that runs Python, by worker."""
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torchmetrics import Metric
+from torchmetrics.classification import BinaryAUROC
+
+from lightning_store import offload_to_cpu
+
+from ._core import Context, Outcome
+
+OPS = 900  # small ops a step: a step mostly Python, as a host launching a GPU's kernels
+PREDICTIONS = 1000
+STEPS = 30
+ROUNDS = 3
+WAYS = ("none", "inline", "thread", "process")
+
+
+def _steps(metric: Metric | None, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The time per step of ``STEPS`` steps, the Metric updated in each, and read at the end."""
+    x = torch.ones(16)
+    start = time.perf_counter()
+    for step in range(STEPS):
+        y = x
+        for _ in range(OPS // 3):
+            y = y.mul(1.0001).add(0.0001).relu()
+        if metric is not None:
+            metric.update(*batches[step % len(batches)])
+    if metric is not None:
+        metric.compute()
+    return (time.perf_counter() - start) / STEPS
+
+
+def check_offload_pays(context: Context) -> Outcome:
+    """The step with the Metric inline, offloaded to a thread and to a process, over the step without it."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.rand(PREDICTIONS, generator=generator), torch.randint(0, 2, (PREDICTIONS,), generator=generator))
+        for _ in range(4)
+    ]
+    metrics: dict[str, Metric | None] = {"none": None, "inline": BinaryAUROC(thresholds=200)}
+    metrics |= {worker: offload_to_cpu(BinaryAUROC(thresholds=200), worker=worker) for worker in ("thread", "process")}
+    for metric in metrics.values():  # warm-up: the worker process starts
+        _steps(metric, batches)
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
+    for round_ in range(ROUNDS):
+        for way in WAYS if round_ % 2 == 0 else reversed(WAYS):
+            times[way].append(_steps(metrics[way], batches))
+    step = statistics.median(times["none"])
+    ratios = {way: statistics.median(times[way]) / step for way in WAYS[1:]}
+    best = min(ratios, key=ratios.__getitem__)
+    verdict = (
+        "here, offloading does not pay for such a step: keep the Metric inline"
+        if best == "inline"
+        else f"here, worker={best!r} pays most for such a step"
+    )
+    detail = (
+        f"a step of {OPS} small ops (mostly Python, as a host launching a GPU's kernels) with BinaryAUROC"
+        f"(thresholds=200) of {PREDICTIONS} predictions updated in it, over the step without ({step * 1e3:.2f} ms):"
+        f" inline {ratios['inline']:.2f}, worker thread {ratios['thread']:.2f}, worker process"
+        f" {ratios['process']:.2f}; {verdict} (medians of {ROUNDS} rounds of {STEPS} steps)"
+    )
+    data: dict[str, Any] = {"ratios": ratios, "step_s": times, "ops": OPS, "steps": STEPS, "best": best}
+    return Outcome("INFO", detail, data)
