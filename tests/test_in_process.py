@@ -15,7 +15,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, Multicl
 from torchmetrics.wrappers import MetricTracker
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics import _in_process
+from lightning_store.metrics import _process_worker
 from lightning_store.metrics._offloaded import _queue_of
 
 
@@ -293,10 +293,11 @@ def test_a_worker_process_that_ends_is_said_and_reset_goes_on():
     offloaded.update(torch.ones(2))
     offloaded.compute()
     offloaded.update(torch.ones(2))  # run there, not read back
-    _in_process._worker.flush()
-    _in_process._worker.process.kill()
-    _in_process._worker.process.join(10)
-    for read in (lambda: offloaded.compute(), lambda: offloaded.update_count, lambda: offloaded.sum_value):
+    _process_worker._worker.flush()
+    _process_worker._worker.process.kill()
+    _process_worker._worker.process.join(10)
+    state = next(iter(offloaded._defaults))  # `sum_value` (torchmetrics >= 1.1) or `value`
+    for read in (lambda: offloaded.compute(), lambda: offloaded.update_count, lambda: getattr(offloaded, state)):
         with pytest.raises(RuntimeError, match=r"^SumMetric: lightning-store's offload worker process ended"):
             read()  # every read says so, until `reset()`
     offloaded.reset()
@@ -337,9 +338,9 @@ def test_inputs_whose_copies_land_late_are_sent_once_landed_in_order(monkeypatch
         offloaded.update(x)
         plain.update(x.clone())
         x.add_(100)  # after the call: the copy holds the value at the call
-    assert len(_in_process._worker.outbox) == 3  # none landed: none sent
+    assert len(_process_worker._worker.outbox) == 3  # none landed: none sent
     transfer.copies[0].land()
-    _in_process._worker.flush(wait=False)
-    assert len(_in_process._worker.outbox) == 2 and not transfer.copies[1].waited  # the first went, in order
+    _process_worker._worker.flush(wait=False)
+    assert len(_process_worker._worker.outbox) == 2 and not transfer.copies[1].waited  # the first went, in order
     _assert_same(offloaded.compute(), plain.compute())  # a read waits for every copy
     assert all(c.waited and c.released for c in transfer.copies[1:])
