@@ -674,22 +674,22 @@ def gpu(report: Report, rounds: int, quick: bool, device: torch.device) -> None:
 def table(rows: list[Row]) -> list[str]:
     """The rows as a markdown table."""
     lines = [
-        "| part | measurement | baseline | offloaded | ratio, median (IQR) | goal | |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| part | measurement | baseline | offloaded | ratio (IQR) | goal |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         ratios = [o / b for o, b in zip(row.offloaded, row.base, strict=True)]
         q1, ratio, q3 = quartiles(ratios)
         base, off = (statistics.median(values) * row.scale for values in (row.base, row.offloaded))
-        goal, verdict = "", ""
+        goal = ""
         if row.goal is not None:
-            goal, verdict = f"ratio <= {row.goal}", "met" if ratio <= row.goal else "NOT met"
+            goal = f"ratio <= {row.goal}: {'met' if ratio <= row.goal else 'NOT met'}"
         if row.absolute_goal is not None:
             met = statistics.median(row.offloaded) <= row.absolute_goal
-            goal, verdict = f"<= {row.absolute_goal * row.scale:g} {row.unit}", "met" if met else "NOT met"
+            goal = f"<= {row.absolute_goal * row.scale:g} {row.unit}: {'met' if met else 'NOT met'}"
         lines.append(
             f"| {row.part} | {row.what} | {base:.3g} {row.unit} | {off:.3g} {row.unit} | {ratio:.3f}"
-            f" ({q1:.3f} to {q3:.3f}) | {goal} | {verdict} |"
+            f" ({q1:.2f}-{q3:.2f}) | {goal} |"
         )
     return lines
 
