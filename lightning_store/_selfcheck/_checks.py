@@ -19,5 +19,5 @@ CHECKS: list[Check] = [
     Check("metric_nccl_sync", "Metric sync through NCCL", check_metric_nccl_sync),
     Check("in_place", "changed in place after the call", check_in_place),
     Check("offload", "Metric offloaded to the CPU", check_offload),
-    Check("offload_pays", "offloading pays here (measured)", check_offload_pays),
+    Check("offload_pays", "offload beside a Python step (measured)", check_offload_pays),
 ]
