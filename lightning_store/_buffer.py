@@ -132,16 +132,11 @@ class _CUDATransfer:
         if pool:
             return pool.pop()
         with torch.inference_mode(False):  # made in an evaluation loop, it is reused outside one
-            host = torch.empty_strided(shape, stride or _contiguous(shape), dtype=dtype, pin_memory=True)
+            if stride is None:
+                host = torch.empty(shape, dtype=dtype, pin_memory=True)
+            else:
+                host = torch.empty_strided(shape, stride, dtype=dtype, pin_memory=True)
         return _Slot(host, pool)
-
-
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    stride, strides = 1, []
-    for size in reversed(shape):
-        strides.append(stride)
-        stride *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 @cache

@@ -9,7 +9,7 @@ from torchmetrics import Metric
 from lightning_store._collection import _install_on, _StoringResults
 from lightning_store._policy import _as_bool, _from_log_dict, _module_policy, _requested
 from lightning_store.metrics._offloaded import _is_offloaded
-from lightning_store.metrics._states import _owns_list_states
+from lightning_store.metrics._states import _metrics_in, _owns_list_states
 from lightning_store.metrics.states import _stores_states_on_cpu
 from lightning_store.warnings import _warn_once
 
@@ -241,7 +241,7 @@ def _metric_hint(metric: Metric) -> str:
     """
     if _is_offloaded(metric):
         return " HINT: its states are on the CPU already (`offload_to_cpu`): " + _LEAVE_IT
-    holders = [m for m in metric.modules() if isinstance(m, Metric) and _owns_list_states(m)]
+    holders = [m for m in _metrics_in(metric) if _owns_list_states(m)]  # on each such call: without hashing them
     if not holders:
         return (
             f" {type(metric).__name__} keeps no list state (only tensors that do not grow over an epoch): there is"

@@ -13,6 +13,7 @@ from lightning_store._collection import _loop_results
 from lightning_store._policy import _is_configured_by_flag
 from lightning_store._result import _StoredOnCPU, _syncs
 from lightning_store.metrics._offloaded import _queue_of
+from lightning_store.metrics._states import _metrics_in
 from lightning_store.metrics.states import _settle_states, _stores_states_on_cpu
 
 __all__ = ["KeyStorage", "format_storage_report", "storage_report"]
@@ -217,11 +218,6 @@ def _set_by(result: Any, offloaded: bool) -> str:
     if not configured:
         return "-"
     return "flag" if all(_is_configured_by_flag(m) for m in configured) else "store_states_on_cpu"
-
-
-def _metrics_in(metric: Metric) -> list[Metric]:
-    """A logged Metric and, for a wrapper (``BinaryTargetTransformer``, ``auroc + ap``...), the Metrics it holds."""
-    return [m for m in metric.modules() if isinstance(m, Metric)]
 
 
 def _metric_syncs(metric: Metric) -> bool:

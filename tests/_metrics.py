@@ -4,12 +4,14 @@ Shared by the tests and the 2-process worker (``_states_ddp_worker.py``): every 
 Metric, so a test can compare the configured one with the plain one, fed the same data.
 """
 
+import random
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
-from torchmetrics import CatMetric, Metric, MetricCollection
+from torchmetrics import CatMetric, Metric, MetricCollection, SumMetric
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, MulticlassAUROC
 from torchmetrics.regression import SpearmanCorrCoef
 from torchmetrics.text import ROUGEScore
@@ -112,6 +114,27 @@ class SeesLayout(Metric):
 
     def compute(self) -> Tensor:
         return dim_zero_cat(self.seen)
+
+
+# a draw from each global generator an update may draw from
+DRAWS: dict[str, Callable[[], float]] = {
+    "torch's CPU": lambda: float(torch.rand(())),
+    "Python's `random`": random.random,
+    "NumPy's `np.random`": lambda: float(np.random.rand()),
+}
+
+
+class DrawsOnLargeBatches(SumMetric):
+    """Adds a random number to batches of more than 4 values: the first, small batch draws nothing."""
+
+    def __init__(self, generator: str):
+        super().__init__()
+        self.generator = generator
+
+    def update(self, value: Tensor) -> None:
+        if value.numel() > 4:
+            value = value + DRAWS[self.generator]()
+        super().update(value)
 
 
 def _reverse(items: list[Tensor]) -> list[Tensor]:
@@ -339,3 +362,14 @@ def same_bytes(got: Any, expected: Any) -> bool:
     if isinstance(got, str | type(None)) or isinstance(expected, str | type(None)):  # an error, or nothing
         return type(got) is type(expected) and got == expected
     return len(got) == len(expected) and all(same_bytes(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def assert_same_values(a: Any, b: Any) -> None:
+    """The same tensors (dtype, device, values bit for bit) and the same other values, in the same structure."""
+    flat_a, flat_b = flatten(a), flatten(b)
+    assert len(flat_a) == len(flat_b)
+    for x, y in zip(flat_a, flat_b, strict=True):
+        if not isinstance(x, Tensor):
+            assert type(x) is type(y) and x == y, (x, y)
+            continue
+        assert x.dtype == y.dtype and x.device == y.device and torch.equal(x, y), (x, y)

@@ -2,7 +2,8 @@
 
 import torch
 
-from lightning_store.metrics._arena import _ALIGNMENT, _Arena
+from lightning_store.metrics._arena import _Arena
+from lightning_store.metrics._layout import ALIGNMENT
 
 
 def test_spans_are_taken_in_order_wrap_around_and_wait_when_full():
@@ -26,7 +27,7 @@ def test_a_tensor_written_at_an_offset_reads_back():
     try:
         offset = arena.take(40)
         arena.tensor(offset, torch.float32, 10).copy_(torch.arange(10.0))
-        assert offset % _ALIGNMENT == 0
+        assert offset % ALIGNMENT == 0
         assert torch.equal(arena.tensor(offset, torch.float32, 10), torch.arange(10.0))
         assert arena.tensor(offset, torch.float32, 0).numel() == 0
     finally:

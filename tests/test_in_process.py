@@ -8,7 +8,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _metrics import ELEMENT_METRICS, WRAPPERS, Gram, SeesLayout, binary, flatten, run_wrapper
+from _metrics import (
+    DRAWS,
+    DrawsOnLargeBatches,
+    Gram,
+    SeesLayout,
+    assert_same_values,
+    binary,
+)
 from torch import Tensor
 from torchmetrics import CatMetric, MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, MulticlassPrecision
@@ -17,16 +24,6 @@ from torchmetrics.wrappers import MetricTracker
 from lightning_store import offload_to_cpu
 from lightning_store.metrics import _process_worker
 from lightning_store.metrics._offloaded import _queue_of
-
-
-def _assert_same(a, b):
-    flat_a, flat_b = flatten(a), flatten(b)
-    assert len(flat_a) == len(flat_b)
-    for x, y in zip(flat_a, flat_b, strict=True):
-        if not isinstance(x, Tensor):
-            assert type(x) is type(y) and x == y, (x, y)
-            continue
-        assert x.dtype == y.dtype and x.device == y.device and torch.equal(x, y), (x, y)
 
 
 def _pair(make):
@@ -68,31 +65,11 @@ def test_every_read_sees_every_earlier_update_and_what_it_changes_reaches_the_wo
     for batch in _batches():
         offloaded.update(*batch)
         plain.update(*batch)
-    _assert_same(READS[read](offloaded), READS[read](plain))
+    assert_same_values(READS[read](offloaded), READS[read](plain))
     offloaded.update(*binary(50, 10))  # after the read, the worker process gets the object again
     plain.update(*binary(50, 10))
-    _assert_same(offloaded.compute(), plain.compute())
+    assert_same_values(offloaded.compute(), plain.compute())
     assert all(t.is_cpu for t in offloaded.preds)
-
-
-@pytest.mark.parametrize("name", sorted(set(WRAPPERS) - {"BootStrapper"}))
-def test_wrappers_and_collections_give_the_plain_values(name):
-    make, _ = WRAPPERS[name]
-    batches = [(seed, 6) for seed in range(4)]
-    _assert_same(
-        run_wrapper(name, offload_to_cpu(make(), worker="process"), batches), run_wrapper(name, make(), batches)
-    )
-
-
-@pytest.mark.parametrize("name", sorted(ELEMENT_METRICS))
-def test_metrics_keeping_one_element_per_item_give_the_plain_values(name):
-    make, data = ELEMENT_METRICS[name]
-    offloaded, plain = _pair(make)
-    for seed in range(3):
-        items = data(seed, 4)
-        offloaded.update(items)
-        plain.update([t.clone() for t in items])
-    _assert_same(offloaded.compute(), plain.compute())
 
 
 def test_a_collection_with_compute_groups_read_member_by_member_as_torchmetrics_tests_it():
@@ -108,7 +85,7 @@ def test_a_collection_with_compute_groups_read_member_by_member_as_torchmetrics_
             plain.update(preds, target)
         for key in plain:  # each Metric read, then reset, before the next is read
             got, expected = offloaded[key], plain[key]
-            _assert_same(got.compute(), expected.compute())
+            assert_same_values(got.compute(), expected.compute())
             got.reset()
             expected.reset()
     assert offloaded.compute_groups == plain.compute_groups == {0: ["acc", "prec"]}
@@ -124,8 +101,8 @@ def test_a_tracker_sends_the_copies_it_makes():
             x = torch.rand(5, generator=generator)
             offloaded.update(x)
             plain.update(x)
-        _assert_same(offloaded.compute(), plain.compute())
-    _assert_same(offloaded.compute_all(), plain.compute_all())
+        assert_same_values(offloaded.compute(), plain.compute())
+    assert_same_values(offloaded.compute_all(), plain.compute_all())
 
 
 def test_a_setting_changed_here_reaches_the_worker():
@@ -135,7 +112,7 @@ def test_a_setting_changed_here_reaches_the_worker():
         m.update(nan)
         m.nan_strategy = 0.0  # from now on, a NaN becomes 0
         m.update(nan)
-    _assert_same(offloaded.compute(), plain.compute())
+    assert_same_values(offloaded.compute(), plain.compute())
 
 
 @pytest.mark.parametrize(
@@ -149,7 +126,7 @@ def test_the_metric_sees_the_layout_the_caller_passed(make):
         x = make()
         offloaded.update(x)
         plain.update(x)
-    _assert_same(offloaded.compute(), plain.compute())
+    assert_same_values(offloaded.compute(), plain.compute())
 
 
 @pytest.mark.parametrize(
@@ -169,7 +146,7 @@ def test_an_update_runs_with_the_callers_torch_state(context):
         with context():
             offloaded.update(x)
             plain.update(x)
-    _assert_same(offloaded.compute(), plain.compute())
+    assert_same_values(offloaded.compute(), plain.compute())
 
 
 class _default_dtype:
@@ -195,7 +172,7 @@ def test_the_default_dtype_at_the_call_is_the_one_the_update_runs_with():
     for m in (offloaded, plain):
         with _default_dtype(torch.float64):
             m.update(torch.ones(2, dtype=torch.float64))
-    _assert_same(offloaded.compute(), plain.compute())
+    assert_same_values(offloaded.compute(), plain.compute())
 
 
 class Fails(SumMetric):
@@ -220,10 +197,10 @@ def test_an_update_that_raises_there_raises_at_the_next_call_with_the_plain_stat
     assert "The 2 update(s) queued after it were not run" in str(err.value)
     assert isinstance(err.value.__cause__, ValueError)
     assert "Traceback" in str(err.value.__cause__.__cause__)  # the worker process's traceback
-    _assert_same((offloaded.compute(), offloaded.update_count), (plain.compute(), plain.update_count))
+    assert_same_values((offloaded.compute(), offloaded.update_count), (plain.compute(), plain.update_count))
     for m in (offloaded, plain):
         m.update(torch.ones(2))  # new updates run again
-    _assert_same(offloaded.compute(), plain.compute())
+    assert_same_values(offloaded.compute(), plain.compute())
 
 
 def test_a_warning_there_is_given_again_here_once():
@@ -238,22 +215,6 @@ def test_a_warning_there_is_given_again_here_once():
         "(given by CatMetric.update #1, which ran in lightning-store's offload worker)"
     )
     assert caught[0].filename == __file__
-
-
-DRAWS = {
-    "torch's CPU": lambda: float(torch.rand(())),
-    "Python's `random`": random.random,
-    "NumPy's `np.random`": lambda: float(np.random.rand()),
-}
-
-
-class DrawsOnLargeBatches(SumMetric):
-    def __init__(self, generator: str):
-        super().__init__()
-        self.generator = generator
-
-    def update(self, value: Tensor) -> None:
-        super().update(value + (DRAWS[self.generator]() if value.numel() > 4 else 0))
 
 
 @pytest.mark.parametrize("generator", DRAWS)
@@ -321,7 +282,7 @@ def test_an_unpickled_collection_sends_itself_whole_and_goes_on():
     for batch in batches[2:]:
         copied["prec"].update(*batch)  # a Metric of the collection, alone
         plain["prec"].update(*batch)
-    _assert_same(copied["prec"].compute(), plain["prec"].compute())
+    assert_same_values(copied["prec"].compute(), plain["prec"].compute())
 
 
 def test_inputs_whose_copies_land_late_are_sent_once_landed_in_order(monkeypatch):
@@ -342,5 +303,5 @@ def test_inputs_whose_copies_land_late_are_sent_once_landed_in_order(monkeypatch
     transfer.copies[0].land()
     _process_worker._worker.flush(wait=False)
     assert len(_process_worker._worker.outbox) == 2 and not transfer.copies[1].waited  # the first went, in order
-    _assert_same(offloaded.compute(), plain.compute())  # a read waits for every copy
+    assert_same_values(offloaded.compute(), plain.compute())  # a read waits for every copy
     assert all(c.waited and c.released for c in transfer.copies[1:])

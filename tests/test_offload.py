@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from _metrics import ELEMENT_METRICS, WRAPPERS, binary, flatten, run_wrapper
+from _metrics import ELEMENT_METRICS, WRAPPERS, assert_same_values, binary, flatten, run_wrapper
 from torch import Tensor
 from torchmetrics import CatMetric, MeanMetric, Metric, MetricCollection, SumMetric
 from torchmetrics.classification import (
@@ -58,16 +58,6 @@ class Gated(Metric):
 def _batches(count=4, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.rand(5, generator=generator) for _ in range(count)]
-
-
-def _assert_same(a, b):
-    flat_a, flat_b = flatten(a), flatten(b)
-    assert len(flat_a) == len(flat_b)
-    for x, y in zip(flat_a, flat_b, strict=True):
-        if not isinstance(x, Tensor):
-            assert type(x) is type(y) and x == y, (x, y)
-            continue
-        assert x.dtype == y.dtype and x.device == y.device and torch.equal(x, y), (x, y)
 
 
 def _queued(metric, batches):
@@ -122,7 +112,7 @@ def test_every_read_sees_every_earlier_update(read):
     metric = _queued(offload_to_cpu(Gated()), batches)
     got = READS[read](metric)
     assert _queue_of(metric).pending == 0
-    _assert_same(got, READS[read](_plain(batches)))
+    assert_same_values(got, READS[read](_plain(batches)))
 
 
 @NEEDS_MERGE_STATE
@@ -136,10 +126,10 @@ def test_merge_state_sees_the_updates_of_both():
     plain_other = Gated()
     plain_other.update(torch.full((5,), 3.0))
     plain.merge_state(plain_other)
-    _assert_same(metric.compute(), plain.compute())
+    assert_same_values(metric.compute(), plain.compute())
     metric.merge_state(plain_other)  # a plain Metric of the same class merges too
     plain.merge_state(plain_other)
-    _assert_same(metric.compute(), plain.compute())
+    assert_same_values(metric.compute(), plain.compute())
 
 
 def test_update_takes_the_inputs_as_they_are_at_the_call():
@@ -148,7 +138,7 @@ def test_update_takes_the_inputs_as_they_are_at_the_call():
     metric.update(x)
     plain.update(x.clone())
     x.add_(100)  # after the call: the offloaded Metric must not see it
-    _assert_same(metric.compute(), plain.compute())
+    assert_same_values(metric.compute(), plain.compute())
 
 
 def test_update_returns_at_once_and_the_worker_runs_the_updates_in_order():
@@ -179,7 +169,7 @@ def test_every_state_lives_on_the_cpu_whatever_the_module_does():
     for m in (metric, plain):
         m.set_dtype(torch.float64)
     assert [t.dtype for t in metric.preds] == [t.dtype for t in plain.preds] == [torch.float64]
-    _assert_same(metric.compute(), plain.compute())
+    assert_same_values(metric.compute(), plain.compute())
 
 
 def test_dtype_conversions_follow_torchmetrics():
@@ -190,15 +180,19 @@ def test_dtype_conversions_follow_torchmetrics():
         convert(metric)
         convert(plain)
         assert metric.confmat.dtype == plain.confmat.dtype
-        _assert_same(metric.compute(), plain.compute())
+        assert_same_values(metric.compute(), plain.compute())
 
 
+WORKERS = pytest.mark.parametrize("worker", ["thread", "process"])
+
+
+@WORKERS
 @pytest.mark.parametrize("name", sorted(set(WRAPPERS) - {"BootStrapper"}))
-def test_wrappers_and_collections_give_the_plain_values(name):
+def test_wrappers_and_collections_give_the_plain_values(name, worker):
     make, _ = WRAPPERS[name]
     batches = [(seed, 6) for seed in range(4)]
-    offloaded = offload_to_cpu(make())
-    _assert_same(run_wrapper(name, offloaded, batches), run_wrapper(name, make(), batches))
+    offloaded = offload_to_cpu(make(), worker=worker)
+    assert_same_values(run_wrapper(name, offloaded, batches), run_wrapper(name, make(), batches))
     assert all(
         t.device.type == "cpu"
         for m in offloaded.modules()
@@ -207,15 +201,16 @@ def test_wrappers_and_collections_give_the_plain_values(name):
     )
 
 
+@WORKERS
 @pytest.mark.parametrize("name", sorted(ELEMENT_METRICS))
-def test_metrics_keeping_one_element_per_item_give_the_plain_values(name):
+def test_metrics_keeping_one_element_per_item_give_the_plain_values(name, worker):
     make, data = ELEMENT_METRICS[name]
-    offloaded, plain = offload_to_cpu(make()), make()
+    offloaded, plain = offload_to_cpu(make(), worker=worker), make()
     for seed in range(3):
         items = data(seed, 4)
         offloaded.update(items)
         plain.update([t.clone() for t in items])
-    _assert_same(offloaded.compute(), plain.compute())
+    assert_same_values(offloaded.compute(), plain.compute())
 
 
 def test_a_collection_with_compute_groups_updates_once_and_gives_the_plain_values():
@@ -225,11 +220,11 @@ def test_a_collection_with_compute_groups_updates_once_and_gives_the_plain_value
     offloaded, plain = offload_to_cpu(make()), make()
     for seed in range(4):
         preds, target = binary(seed, 20)
-        _assert_same(offloaded(preds, target), plain(preds, target))
+        assert_same_values(offloaded(preds, target), plain(preds, target))
         offloaded.update(preds, target)
         plain.update(preds, target)
     assert offloaded.compute_groups == plain.compute_groups
-    _assert_same(offloaded.compute(), plain.compute())
+    assert_same_values(offloaded.compute(), plain.compute())
     assert _queue_of(offloaded) is _queue_of(offloaded["BinaryAccuracy"])  # one queue for all
 
 
@@ -282,8 +277,8 @@ def test_a_collections_metrics_read_while_updates_are_queued_see_them(read):
         }[read]()
         for got, expected in pairs:
             for state in expected._defaults:
-                _assert_same(getattr(got, state), getattr(expected, state))
-            _assert_same(got.compute(), expected.compute())
+                assert_same_values(getattr(got, state), getattr(expected, state))
+            assert_same_values(got.compute(), expected.compute())
             got.reset()
             expected.reset()
     assert offloaded.compute_groups == plain.compute_groups == {0: ["acc", "prec"], 1: ["pair"]}
@@ -298,8 +293,8 @@ def test_a_tracker_offloads_the_copies_it_makes():
         for x in _batches(3, seed=epoch):
             tracker.update(x)
             plain.update(x)
-        _assert_same(tracker.compute(), plain.compute())
-    _assert_same(tracker.compute_all(), plain.compute_all())
+        assert_same_values(tracker.compute(), plain.compute())
+    assert_same_values(tracker.compute_all(), plain.compute_all())
     assert _queue_of(tracker[-1]) is _queue_of(tracker)
 
 
@@ -351,10 +346,10 @@ def test_an_update_that_raises_in_the_worker_raises_at_the_next_call_with_its_ty
     plain.update(torch.ones(2))
     with pytest.raises(ValueError):
         plain.update(-torch.ones(2))
-    _assert_same((metric.compute(), metric.update_count), (plain.compute(), plain.update_count))
+    assert_same_values((metric.compute(), metric.update_count), (plain.compute(), plain.update_count))
     metric.update(torch.ones(2))
     plain.update(torch.ones(2))
-    _assert_same(metric.compute(), plain.compute())
+    assert_same_values(metric.compute(), plain.compute())
 
 
 @pytest.mark.parametrize("call", ["update", "reset", "a state attribute"])
@@ -391,7 +386,7 @@ def test_the_first_update_raises_at_the_next_call_as_any_other():
     assert metric.update_count == plain.update_count == 1  # torchmetrics counts a failed update
     for m in (metric, plain):
         m.update(torch.ones(2))
-    _assert_same(metric.compute(), plain.compute())
+    assert_same_values(metric.compute(), plain.compute())
 
 
 def test_backpressure_bounds_the_pending_updates_and_counts_the_wait():
@@ -487,7 +482,7 @@ def test_the_worker_runs_an_update_with_the_callers_number_of_torch_threads():
             torch.set_num_threads(count)
             for m in (offloaded, plain):
                 m.update(x)
-            _assert_same(offloaded.compute(), plain.compute())
+            assert_same_values(offloaded.compute(), plain.compute())
     finally:
         torch.set_num_threads(threads)
 
@@ -500,7 +495,7 @@ def test_an_update_runs_in_the_callers_inference_mode():
             m.reset()
             m.update(torch.tensor(2.0))  # changes it in place: only inference mode may
             m.update(torch.tensor(3.0))
-        _assert_same(metric.compute(), plain.compute())
+        assert_same_values(metric.compute(), plain.compute())
 
 
 def test_walking_a_modules_children_does_not_wait_for_the_queue():
@@ -534,4 +529,4 @@ def test_a_setting_changed_while_updates_are_queued_applies_after_them_as_in_the
     for m in (metric, plain):
         m.nan_strategy = 0.0
         m.update(nan)
-    _assert_same(metric.compute(), plain.compute())
+    assert_same_values(metric.compute(), plain.compute())

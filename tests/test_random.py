@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from _metrics import DRAWS, DrawsOnLargeBatches
 from torch import Tensor
 from torchmetrics import SumMetric
 
@@ -13,26 +14,10 @@ from lightning_store import StoreOnCPUWarning, offload_to_cpu
 from lightning_store.metrics._offloaded import _queue_of
 from lightning_store.metrics._worker import _get_worker
 
-DRAWS = {
-    "Python's `random`": lambda: random.random(),
-    "NumPy's `np.random`": lambda: float(np.random.rand()),
-}
+HOST_DRAWS = {name: draw for name, draw in DRAWS.items() if name != "torch's CPU"}  # torch's: `test_guard.py`
 
 
-class DrawsOnLargeBatches(SumMetric):
-    """Adds a random number to batches of more than 4 values: the first, small batch draws nothing."""
-
-    def __init__(self, generator: str):
-        super().__init__()
-        self.generator = generator
-
-    def update(self, value: Tensor) -> None:
-        if value.numel() > 4:
-            value = value + DRAWS[self.generator]()
-        super().update(value)
-
-
-@pytest.mark.parametrize("generator", DRAWS)
+@pytest.mark.parametrize("generator", HOST_DRAWS)
 def test_a_draw_at_a_later_update_raises_at_the_next_call(generator):
     metric = offload_to_cpu(DrawsOnLargeBatches(generator))
     metric.update(torch.ones(2))
@@ -63,7 +48,7 @@ class WaitsForGate(SumMetric):
         super().update(value)
 
 
-@pytest.mark.parametrize("generator", DRAWS)
+@pytest.mark.parametrize("generator", HOST_DRAWS)
 def test_a_draw_of_the_training_thread_while_an_update_runs_is_not_taken_for_the_updates(generator):
     GATE.clear()
     ENTERED.clear()
@@ -71,7 +56,7 @@ def test_a_draw_of_the_training_thread_while_an_update_runs_is_not_taken_for_the
     metric.update(torch.ones(3))
     plain.update(torch.ones(3))
     assert ENTERED.wait(10)
-    drawn = [DRAWS[generator]() for _ in range(3)]  # while the update waits in the worker
+    drawn = [HOST_DRAWS[generator]() for _ in range(3)]  # while the update waits in the worker
     GATE.set()
     _get_worker().quiesce()
     assert _queue_of(metric).suspect is not None  # the generator changed while the update ran

@@ -7,12 +7,13 @@ from multiprocessing import shared_memory
 import torch
 from torch import Tensor
 
-_ALIGNMENT = 64  # bytes: where each tensor starts, as torch's CPU allocator aligns its memory
+from lightning_store.metrics._layout import ALIGNMENT
+
 _INITIAL_BYTES = 16 * 2**20
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT  # each tensor starts as torch's CPU allocator aligns it
 
 
 class _Arena:
@@ -23,11 +24,20 @@ class _Arena:
     space back; one larger than the segment gets a larger segment, the old one freed once its updates have run.
     """
 
-    def __init__(self, nbytes: int = _INITIAL_BYTES) -> None:
-        self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
-        self.size = nbytes
+    def __init__(self, nbytes: int = _INITIAL_BYTES, name: str | None = None) -> None:
+        """A new segment of ``nbytes``; or, with ``name``, the parent's segment seen from the worker process.
+
+        A process spawned by the parent shares its resource tracker, where the segment is registered once: the
+        parent unlinks it (or the tracker does, if the parent dies), never the worker.
+        """
+        if name is None:
+            self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        else:
+            self.shm = shared_memory.SharedMemory(name=name)
+        self.size = self.shm.size
         self.head = 0
         self.spans: deque[tuple[int, int]] = deque()  # (start, end) of each update's inputs, oldest first
+        self.retired = False  # a larger one took its place: freed once its updates have run
 
     @property
     def name(self) -> str:
@@ -69,12 +79,3 @@ class _Arena:
             self.shm.close()
         if unlink:
             self.shm.unlink()
-
-
-def _attach(name: str) -> shared_memory.SharedMemory:
-    """The worker process's view of the parent's segment ``name``.
-
-    A process spawned by the parent shares its resource tracker, where the segment is registered once: the parent
-    unlinks it (or the tracker does, if the parent dies), never the worker.
-    """
-    return shared_memory.SharedMemory(name=name)

@@ -2,8 +2,6 @@
 
 import pickle
 import queue
-import random
-import sys
 import threading
 import traceback
 import warnings
@@ -13,8 +11,9 @@ import torch
 from torch.nn import Module
 
 from lightning_store.metrics import _pickling
-from lightning_store.metrics._arena import _Arena, _attach
+from lightning_store.metrics._arena import _Arena
 from lightning_store.metrics._inputs_shared import _read_inputs
+from lightning_store.metrics._random import _drawn, _host_states
 from lightning_store.metrics._worker import _Inline
 
 _MODULE_OWN = frozenset(vars(Module())) | {"_offload", "_defaults", "_persistent", "_reductions"}
@@ -25,9 +24,7 @@ class _Arenas(dict):
     """The parent's arenas, attached to at first sight, by name."""
 
     def __missing__(self, name: str) -> _Arena:
-        arena = _Arena.__new__(_Arena)
-        arena.shm, arena.size, arena.spans, arena.head = _attach(name), 0, None, 0  # type: ignore[assignment]
-        self[name] = arena
+        arena = self[name] = _Arena(name=name)
         return arena
 
 
@@ -150,33 +147,15 @@ def _run_one(target: Module, method: str, inputs: tuple, state: Any, call_args: 
                 getattr(target, method)(*call_args)
             else:
                 with state.applied(default_dtype=True):
-                    before = _generators()
+                    before = _host_states(torch_too=True)  # no other thread draws here: a change is the update's
                     try:
                         cast(Any, target).update(*args, **kwargs)
                     finally:
-                        drawn = _drawn(before, _generators())
+                        drawn = _drawn(before, _host_states(torch_too=True))
         except Exception as exception:
             error = _error_info(exception)
     kept = [(w.category, _picklable(w.message), w.filename, w.lineno) for w in caught[:_KEPT_WARNINGS]]
     return error, kept, drawn
-
-
-def _generators() -> tuple:
-    numpy = sys.modules.get("numpy")
-    return torch.get_rng_state(), random.getstate(), numpy.random.get_state(legacy=False) if numpy else None
-
-
-def _drawn(before: tuple, after: tuple) -> list[str]:
-    """The global generators an update drew from: here, no other thread draws, so each change is the update's."""
-    drawn = [] if torch.equal(before[0], after[0]) else ["torch's CPU"]
-    if before[1] != after[1]:
-        drawn.append("Python's `random`")
-    if before[2] is not None and after[2] is not None:
-        from lightning_store.metrics._random import _same_numpy
-
-        if not _same_numpy(before[2], after[2]):
-            drawn.append("NumPy's `np.random`")
-    return drawn
 
 
 def _data_of(module: Module) -> dict[str, Any]:
@@ -194,8 +173,4 @@ def _error_info(error: BaseException) -> tuple:
 
 
 def _picklable(message: Any) -> Any:
-    try:
-        pickle.dumps(message)
-    except Exception:
-        return str(message)
-    return message
+    return message if _pickling.pickles(message) else str(message)

@@ -53,9 +53,6 @@ class _ProcessQueue(_Queue):
     def ahead(self) -> bool:
         return bool(self.pending) or self.ahead_there
 
-    def changed(self) -> None:
-        self.sent = False
-
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
         self.report()
         if _process_worker._worker.stopping:  # the process is exiting (an update from another exit handler)
@@ -81,7 +78,7 @@ class _ProcessQueue(_Queue):
             self.pending += 1
             self.queued += 1
             self.ahead_there = True
-            _process_worker._worker.send_update(self, ("update", self.id, self.queued, path), outgoing, _CallerState())
+            _process_worker._worker.send_update(("update", self.id, self.queued, path), outgoing, _CallerState())
         self._count_wait(waited)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:

@@ -4,12 +4,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_store._buffer import _Copy, _transfer_for
-from lightning_store.metrics._arena import _ALIGNMENT, _aligned, _Arena
-from lightning_store.metrics._inputs import _FLAT, _small_and_whole
+from lightning_store.metrics._arena import _aligned, _Arena
+from lightning_store.metrics._inputs import _map_inputs, _small_and_whole
+from lightning_store.metrics._layout import misalignment, spanned
 
 
 class _InArena:
@@ -51,13 +51,7 @@ class _Outgoing:
     def __init__(self, args: tuple, kwargs: dict) -> None:
         self.pending: list[tuple[_InArena, _Copy]] = []
         self.written: list[tuple[_InArena, Tensor]] = []
-        if all(isinstance(a, _FLAT) for a in args) and all(isinstance(v, _FLAT) for v in kwargs.values()):
-            self.inputs: Any = (
-                tuple(self._describe(a) if isinstance(a, Tensor) else a for a in args),
-                {k: self._describe(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()},
-            )
-        else:
-            self.inputs = apply_to_collection((args, kwargs), Tensor, self._describe)
+        self.inputs = _map_inputs((args, kwargs), Tensor, self._describe)
         self.nbytes = sum(where.nbytes for where, _ in (*self.pending, *self.written))
 
     def _describe(self, tensor: Tensor) -> Any:
@@ -73,10 +67,10 @@ class _Outgoing:
             return where
         if not tensor.is_cpu:
             tensor = tensor.to("cpu")  # another device (MPS): a blocking copy
-        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-        pad = tensor.data_ptr() % _ALIGNMENT // tensor.element_size()
-        where = _InArena(tensor.dtype, tuple(tensor.shape), tensor.stride(), pad, pad + span if tensor.numel() else 0)
-        source = tensor.as_strided((span,), (1,), tensor.storage_offset()) if tensor.numel() else tensor
+        source, pad = spanned(tensor), misalignment(tensor)
+        where = _InArena(
+            tensor.dtype, tuple(tensor.shape), tensor.stride(), pad, pad + source.numel() if source.numel() else 0
+        )
         self.written.append((where, source))
         return where
 
@@ -113,4 +107,4 @@ def _dense_stride(tensor: Tensor) -> tuple[int, ...]:
 
 def _read_inputs(inputs: tuple[tuple, dict], arenas: Callable[[str], _Arena]) -> tuple[tuple, dict]:
     """The inputs again, each tensor read from the arena (in the worker process)."""
-    return apply_to_collection(inputs, _InArena, lambda where: where.read(arenas))
+    return _map_inputs(inputs, _InArena, lambda where: where.read(arenas))

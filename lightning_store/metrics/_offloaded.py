@@ -33,11 +33,15 @@ def _settle(obj: Module) -> None:
         queue.settle()
 
 
-def _changed(obj: Module) -> None:
-    """Say that ``obj`` was changed here, outside its worker (a worker process gets it again)."""
-    queue = _queue_of(obj)
-    if queue is not None and not _runs_inline():
-        queue.changed()
+def _set_attribute(obj: Module, set_attribute: Callable[[str, Any], None], name: str, value: Any) -> None:
+    """``set_attribute(name, value)`` once the updates queued before ran: with the old value, as the plain ones.
+
+    A worker process's copy is sent again before the next update, as after any read. ``training`` is set at once:
+    Lightning's ``train()`` and ``eval()`` set it each epoch, and an update does not read it.
+    """
+    if name != "training":
+        _settle(obj)
+    set_attribute(name, value)
 
 
 def _queue_update(obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
@@ -82,12 +86,7 @@ class _OffloadedMetric(_SettledReads):
         return object.__getattribute__(self, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "training":  # Lightning's `train()` and `eval()`, each epoch: an update does not read it
-            super().__setattr__(name, value)
-            return
-        _settle(self)  # a state, or a setting: the updates queued before ran with the old value, as the plain ones
-        super().__setattr__(name, value)
-        _changed(self)
+        _set_attribute(self, super().__setattr__, name, value)
 
     def __hash__(self) -> int:
         # torchmetrics hashes the states too, which would wait for the queue at every walk of a module's children
@@ -135,12 +134,7 @@ class _OffloadedContainer(Module):
     _base_class: type
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "training":
-            super().__setattr__(name, value)
-            return
-        _settle(self)
-        super().__setattr__(name, value)
-        _changed(self)
+        _set_attribute(self, super().__setattr__, name, value)
 
     def __getattribute__(self, name: str) -> Any:
         # a collection's first update forms its compute groups; after it, what the collection's own bookkeeping

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_store.metrics._layout import spanned
+
 
 class _Pickler(pickle.Pickler):
     """A pickler that writes a plain CPU tensor as its dtype, layout and bytes.
@@ -19,8 +21,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is not Tensor or not _plain(obj):
             return NotImplemented
-        span = 1 + sum((size - 1) * stride for size, stride in zip(obj.shape, obj.stride(), strict=True))
-        flat = obj.as_strided((span,), (1,), obj.storage_offset()) if obj.numel() else obj.reshape(0)
+        flat = spanned(obj)
         data = bytearray(flat.contiguous().view(torch.uint8).numpy().tobytes()) if obj.numel() else bytearray()
         return _tensor, (data, obj.dtype, tuple(obj.shape), obj.stride(), obj.is_inference())
 
@@ -43,6 +44,15 @@ def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple, stride: tuple, in
             return torch.empty_strided(shape, stride, dtype=dtype)
         flat = torch.frombuffer(data, dtype=torch.uint8).clone().view(dtype)
         return flat.as_strided(shape, stride, 0)
+
+
+def pickles(obj: Any) -> bool:
+    """Whether ``obj`` pickles (a class of ``__main__`` may not, in the worker process)."""
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
 
 
 def dumps(obj: Any) -> bytes:

@@ -43,7 +43,7 @@ class _ProcessWorker:
         self.arena: _Arena | None = None
         # the arena of each update sent and not answered, oldest first (None: its inputs went with the message)
         self.in_flight: deque[_Arena | None] = deque()
-        self.outbox: deque[tuple[_ProcessQueue, tuple, _Outgoing, _CallerState, _Arena | None]] = deque()
+        self.outbox: deque[tuple[tuple, _Outgoing, _CallerState, _Arena | None]] = deque()  # to send, in order
         self.filters: tuple = ()  # the warnings filters the worker process has
         self.state: _CallerState | None = None  # the caller's torch state the worker process has
         self.pulled: dict[int, bytes] = {}
@@ -83,14 +83,14 @@ class _ProcessWorker:
         except (OSError, ValueError):
             self._lost()
 
-    def send_update(self, queue: "_ProcessQueue", head: tuple, outgoing: _Outgoing, state: _CallerState) -> None:
+    def send_update(self, head: tuple, outgoing: _Outgoing, state: _CallerState) -> None:
         """Take arena space for ``outgoing`` (waiting for answers if need be), write it, send it once it landed."""
         arena: _Arena | None = None
         if outgoing.nbytes:
             arena, offset = self._space(outgoing.nbytes)
             outgoing.place(arena, offset)
         self.in_flight.append(arena)
-        self.outbox.append((queue, head, outgoing, state, arena))
+        self.outbox.append((head, outgoing, state, arena))
         self.flush(wait=False)
 
     def send_call(self, message: tuple) -> None:
@@ -99,13 +99,13 @@ class _ProcessWorker:
 
     def flush(self, wait: bool = True) -> None:
         """Send the updates whose inputs have landed, in order (with ``wait``, all of them)."""
-        while self.outbox and (wait or self.outbox[0][2].ready()):
-            _, head, outgoing, state, arena = self.outbox.popleft()
+        while self.outbox and (wait or self.outbox[0][1].ready()):
+            head, outgoing, state, arena = self.outbox.popleft()
             if arena is not None:
                 outgoing.land(arena)
             filters = tuple(warnings.filters)
             if filters != self.filters:  # the update warns as it would here
-                self.send(("filters", [entry for entry in filters if _pickles(entry)]))
+                self.send(("filters", [entry for entry in filters if _pickling.pickles(entry)]))
                 self.filters = filters
             same = state == self.state  # most often: sent once, and the worker process keeps it
             self.state = state
@@ -128,7 +128,7 @@ class _ProcessWorker:
         if old is not None and old not in self.in_flight:
             self._forget(old)
         elif old is not None:
-            old.retired = True  # type: ignore[attr-defined]
+            old.retired = True
 
     def _forget(self, arena: _Arena) -> None:
         self.send(("forget", arena.name))
@@ -150,7 +150,7 @@ class _ProcessWorker:
             arena = self.in_flight.popleft()
             if arena is not None:
                 arena.give_back()
-                if getattr(arena, "retired", False) and not arena.spans:
+                if arena.retired and not arena.spans:
                     self._forget(arena)
         queue = self.queues.get(queue_id)
         if queue is not None:
@@ -195,14 +195,6 @@ class _ProcessWorker:
         for arena in {*self.in_flight, *(arena for *_, arena in self.outbox), self.arena} - {None}:
             arena.close(unlink=True)  # type: ignore[union-attr]
         self.arena = None
-
-
-def _pickles(obj: Any) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:
-        return False
-    return True
 
 
 _worker = _ProcessWorker()

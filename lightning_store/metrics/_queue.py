@@ -75,9 +75,6 @@ class _Queue:
         """Wait until every queued update has run and shows here; then report what they raised, warned or drew."""
         raise NotImplementedError
 
-    def changed(self) -> None:
-        """Say that this process's objects were changed here (a worker process gets them again)."""
-
     def resetting(self) -> None:
         """Say that the objects are about to be reset: what their updates were is of no more use."""
 

@@ -12,18 +12,27 @@ import random
 import sys
 from typing import Any
 
+import torch
 from torch.nn import Module
 
 from lightning_store.metrics._warnings import _kept_warnings
 from lightning_store.metrics._worker import _Inline
 
-_HostStates = tuple[Any, Any]
+_HostStates = tuple[Any, Any, Any]
 
 
-def _host_states() -> _HostStates:
-    """The states of Python's global generator and, if NumPy is imported, of NumPy's."""
+def _host_states(torch_too: bool = False) -> _HostStates:
+    """The states of Python's global generator, of NumPy's if it is imported, and of torch's CPU one if asked.
+
+    Args:
+        torch_too: take torch's CPU generator's too: in a worker process, where no other thread draws from it.
+    """
     numpy = sys.modules.get("numpy")
-    return random.getstate(), (numpy.random.get_state(legacy=False) if numpy is not None else None)
+    return (
+        random.getstate(),
+        numpy.random.get_state(legacy=False) if numpy is not None else None,
+        torch.get_rng_state() if torch_too else None,
+    )
 
 
 def _set_host_states(states: _HostStates) -> None:
@@ -34,7 +43,9 @@ def _set_host_states(states: _HostStates) -> None:
 
 def _drawn(before: _HostStates, after: _HostStates) -> list[str]:
     """The names of the generators whose state differs between ``before`` and ``after``."""
-    drawn = [] if before[0] == after[0] else ["Python's `random`"]
+    drawn = [] if before[2] is None or torch.equal(before[2], after[2]) else ["torch's CPU"]
+    if before[0] != after[0]:
+        drawn.append("Python's `random`")
     if before[1] is not None and after[1] is not None and not _same_numpy(before[1], after[1]):
         drawn.append("NumPy's `np.random`")
     return drawn

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn import Module
 from torchmetrics import Metric
 
 from lightning_store._buffer import _CopyBuffer, _transfer_for
@@ -71,6 +72,19 @@ def _host_copy(tensor: Tensor) -> Tensor:
 
 def _list_states(metric: Metric) -> list[str]:
     return [attr for attr, default in metric._defaults.items() if isinstance(default, list)]
+
+
+def _metrics_in(module: Module) -> list[Metric]:
+    """``module`` if it is a Metric, and the Metrics it holds at any depth (a wrapper's, a collection's).
+
+    Found through each Module's children, not ``modules()``, which hashes them: torchmetrics hashes a Metric by its
+    states, every element of a list state included.
+    """
+    found = [module] if isinstance(module, Metric) else []
+    for child in module._modules.values():
+        if child is not None:
+            found += _metrics_in(child)
+    return found
 
 
 def _owns_list_states(metric: Metric) -> bool:
