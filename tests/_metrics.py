@@ -116,6 +116,26 @@ class SeesLayout(Metric):
         return dim_zero_cat(self.seen)
 
 
+class SeesAll(Metric):
+    """Keeps, at each update, what it can tell of its input: class, dtype, layout, alignment, mode and values."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("seen", [], dist_reduce_fx="cat")
+
+    def update(self, x: Tensor) -> None:
+        seen = [type(x).__name__, x.dtype, x.layout, tuple(x.shape), x.is_inference(), x.is_conj(), x.is_neg()]
+        if x.layout == torch.strided:
+            seen += [x.stride(), x.data_ptr() % 64 if x.numel() else 0]
+        values = (x.to_dense() if x.layout != torch.strided else x).resolve_conj().resolve_neg()
+        self.seen.append(torch.tensor(list(repr(seen).encode()), dtype=torch.uint8))
+        self.seen.append(values.reshape(-1).clone().view(torch.uint8))
+
+    def compute(self) -> list[Any]:
+        """What each update saw: its description as text, then its values' bytes."""
+        return [bytes(t).decode() if i % 2 == 0 else t for i, t in enumerate(self.seen)]
+
+
 # a draw from each global generator an update may draw from
 DRAWS: dict[str, Callable[[], float]] = {
     "torch's CPU": lambda: float(torch.rand(())),

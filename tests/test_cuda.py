@@ -4,7 +4,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torchmetrics
-from _metrics import Gram, LastSeenFirst, SeesLayout
+from _metrics import Gram, LastSeenFirst, SeesAll, SeesLayout, assert_same_values
 from _support import LoggingModel, RecordingLogger, assert_same, loader, stored_tensors
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
@@ -459,6 +459,35 @@ def test_an_input_on_the_gpu_lands_with_the_layout_tensor_cpu_gives(make):
         metric.update(x)
         plain.update(x.cpu())
     assert torch.equal(metric.compute(), plain.compute())
+
+
+def _made_in_inference_mode(make):
+    with torch.inference_mode():
+        return make()
+
+
+def _complex_on_gpu():
+    return torch.complex(torch.randn(16, 32, device="cuda"), torch.randn(16, 32, device="cuda"))
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+@pytest.mark.parametrize(
+    ("make", "in_inference_mode"),
+    [
+        (lambda: _complex_on_gpu().conj(), False),
+        (lambda: _complex_on_gpu().conj().imag, False),
+        (lambda: _made_in_inference_mode(lambda: torch.randn(16, 32, device="cuda")), False),
+        (lambda: torch.randn(16, 32, device="cuda"), True),
+    ],
+    ids=["conjugate view", "negative view", "made in inference mode", "passed in inference mode"],
+)
+def test_an_input_on_the_gpu_lands_with_the_flags_tensor_cpu_gives(make, in_inference_mode, worker):
+    x = make()
+    metric, plain = offload_to_cpu(SeesAll(), worker=worker), SeesAll()
+    with torch.inference_mode(in_inference_mode):
+        metric.update(x)
+        plain.update(x.cpu())
+    assert_same_values(metric.compute(), plain.compute())
 
 
 def test_a_draw_from_the_cuda_generator_is_refused():

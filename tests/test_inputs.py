@@ -4,7 +4,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from _metrics import SeesLayout
+from _metrics import SeesAll, SeesLayout, assert_same_values
 from torch import Tensor
 from torchmetrics import CatMetric, MeanMetric, SumMetric
 
@@ -40,6 +40,63 @@ def test_the_metric_sees_the_layout_the_caller_passed(layout):
         plain.update(x)
         offloaded.update(x)
     assert torch.equal(offloaded.compute(), plain.compute())
+
+
+class Tagged(Tensor):
+    """A tensor subclass, which a Metric may tell apart."""
+
+
+def _in_inference_mode(make):
+    with torch.inference_mode():
+        return make()
+
+
+def _complex(*shape: int) -> Tensor:
+    return torch.complex(_randn(*shape, seed=1), _randn(*shape, seed=2))
+
+
+KINDS = {
+    "float32 scalar": lambda: torch.tensor(0.1),
+    "bfloat16": lambda: torch.linspace(-1, 1, 7, dtype=torch.bfloat16),
+    "bool": lambda: torch.tensor([True, False, True]),
+    "int8, 2-D": lambda: torch.arange(-6, 6, dtype=torch.int8).reshape(3, 4),
+    "empty": lambda: torch.empty(0, 3, dtype=torch.long),
+    "conjugate view, small": lambda: _complex(4).conj(),
+    "conjugate view, large": lambda: _complex(300, 40).conj(),
+    "negative view, small": lambda: _complex(4).conj().imag,
+    "negative view, large": lambda: _complex(300, 40).conj().imag,
+    "made in inference mode, small": lambda: _in_inference_mode(lambda: _randn(3)),
+    "made in inference mode, large": lambda: _in_inference_mode(lambda: _randn(300, 40)),
+    "subclass, small": lambda: _randn(3).as_subclass(Tagged),
+    "subclass, large": lambda: _randn(300, 40).as_subclass(Tagged),
+    "sparse": lambda: torch.tensor([[0.0, 1.5], [2.5, 0.0]]).to_sparse(),
+}
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_update_sees_its_input_as_the_caller_passed_it(kind, worker):
+    plain, offloaded = SeesAll(), offload_to_cpu(SeesAll(), worker=worker)
+    if kind.startswith("subclass") and worker == "thread" and not _inputs._SUBCLASSES_UNDER_A_MODE:
+        with pytest.raises(TypeError, match=r"tensor subclass Tagged with torch 2\.[0-3].*HINT: offload with"):
+            offloaded.update(KINDS[kind]())
+        return
+    for _ in range(2):
+        x = KINDS[kind]()
+        plain.update(x)
+        offloaded.update(x)
+    assert_same_values(offloaded.compute(), plain.compute())
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+@pytest.mark.parametrize("shape", [(3,), (300, 40)], ids=["small", "large"])
+def test_a_normal_tensor_passed_in_inference_mode_reaches_the_update_as_one(shape, worker):
+    plain, offloaded = SeesAll(), offload_to_cpu(SeesAll(), worker=worker)
+    x = _randn(*shape)
+    with torch.inference_mode():  # Lightning's validation loop, on a tensor made before it
+        for metric in (plain, offloaded):
+            metric.update(x)
+    assert_same_values(offloaded.compute(), plain.compute())
 
 
 @pytest.mark.parametrize(("make", "x"), [(MeanMetric, _randn(3, 4000).T), (SumMetric, _randn(33, 500).T)])

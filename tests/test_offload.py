@@ -141,6 +141,47 @@ def test_update_takes_the_inputs_as_they_are_at_the_call():
     assert_same_values(metric.compute(), plain.compute())
 
 
+class SeesCollections(Metric):
+    """Keeps its sentences and the sum of each tensor in its nested inputs, as they are when its update runs.
+
+    With ``gated``, its update waits for ``GATE`` (in a worker thread: a worker process has a gate of its own).
+    """
+
+    def __init__(self, gated: bool = False):
+        super().__init__()
+        self.gated = gated
+        self.add_state("seen", [], dist_reduce_fx="cat")
+
+    def update(self, sentences: list[str], nested: dict[str, list[Tensor]]) -> None:
+        if self.gated:
+            GATE.wait()
+        text = " | ".join(sentences) + f" ({len(nested['batch'])} tensors)"
+        self.seen.append(torch.tensor(list(text.encode()), dtype=torch.uint8))
+        self.seen.extend(t.sum().reshape(1) for t in nested["batch"])
+
+    def compute(self) -> list[Tensor]:
+        return list(self.seen)
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_update_takes_lists_and_dicts_as_they_are_at_the_call(worker):
+    metric = offload_to_cpu(SeesCollections(gated=worker == "thread"), worker=worker)
+    plain = SeesCollections()
+    metric.update(["warm", "up"], {"batch": []})
+    plain.update(["warm", "up"], {"batch": []})
+    metric.compute()
+    GATE.clear()  # a worker thread holds the update below queued while the caller changes its inputs
+    sentences, nested = ["the cat", "sat"], {"batch": [torch.ones(3), torch.arange(4.0)]}
+    metric.update(sentences, nested)
+    plain.update(list(sentences), {"batch": [t.clone() for t in nested["batch"]]})
+    sentences[0] = "a dog"
+    sentences.append("down")
+    nested["batch"].append(torch.full((2,), 7.0))
+    nested["batch"][0].add_(100)
+    GATE.set()
+    assert_same_values(metric.compute(), plain.compute())
+
+
 def test_update_returns_at_once_and_the_worker_runs_the_updates_in_order():
     metric = offload_to_cpu(CatMetric(), max_pending=64)
     metric.update(torch.tensor([0.0]))

@@ -2,14 +2,17 @@
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_store._buffer import _Copy, _Landed, _transfer_for
-from lightning_store.metrics._layout import misalignment, spanned
+from lightning_store.metrics._layout import as_passed, flags, misalignment, spanned, unflagged
 
+# torch < 2.4 fails an op on a tensor subclass under a dispatch mode, as the worker thread's guard is
+_SUBCLASSES_UNDER_A_MODE = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 4)
 _POOL_SIZE = 16  # CPU buffers kept per dtype and length
 _POOL_SHAPES = 8  # the dtypes and lengths kept, the latest used: inputs of varying shapes (sentences...) keep few
 _host_pools: OrderedDict[tuple[torch.dtype, int], list[Tensor]] = OrderedDict()
@@ -63,10 +66,19 @@ class _HostCopy:
 class _InFlight:
     """A tensor input's copy to the CPU, started at the call (on CUDA, without waiting for it)."""
 
-    __slots__ = ("copy",)
+    __slots__ = ("copy", "flags")
 
     def __init__(self, tensor: Tensor) -> None:
         tensor = tensor.detach()
+        if type(tensor) is not Tensor and not _SUBCLASSES_UNDER_A_MODE:
+            raise TypeError(
+                f"offload_to_cpu's worker thread cannot take an input of the tensor subclass {type(tensor).__name__}"
+                f" with torch {torch.__version__}: its ops fail there under the worker's dispatch mode (torch 2.4"
+                " fixed it). HINT: offload with `worker='process'`, pass a plain tensor"
+                " (`x.as_subclass(torch.Tensor)`), or upgrade torch to 2.4 or later."
+            )
+        self.flags = flags(tensor)
+        tensor = unflagged(tensor)
         transfer = _transfer_for(tensor.device)
         self.copy: _Copy | _HostCopy
         if transfer is not None:
@@ -82,13 +94,16 @@ class _InFlight:
         """The CPU copy, a tensor of its own (the Metric may keep it); the buffer's memory is handed back.
 
         A CPU input lands with the caller's layout. One from a device lands with the layout ``tensor.cpu()`` gives
-        (a dense view, transposed or ``channels_last``, keeps its strides; another is made contiguous).
+        (a dense view, transposed or ``channels_last``, keeps its strides; another is made contiguous). Either
+        lands with the caller's flags (an inference tensor, a conjugate view: see ``_layout.as_passed``).
         """
         try:
             if isinstance(self.copy, _HostCopy):
-                return self.copy.landed()
+                return as_passed(self.copy.landed, self.flags)
             host = self.copy.wait()
-            return host if isinstance(self.copy, _Landed) else host.clone()
+            if isinstance(self.copy, _Landed) and host.is_inference() == self.flags[0]:
+                return as_passed(lambda: host, self.flags)  # a copy of its own already, made in the right mode
+            return as_passed(host.clone, self.flags)
         finally:
             self.copy.release()
 
@@ -114,16 +129,43 @@ def _small_and_whole(tensor: Tensor) -> bool:
 def _map_inputs(inputs: tuple[tuple, dict], kind: type | tuple[type, ...], fn: Callable) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with ``fn`` applied to each ``kind`` at any depth (lists, tuples, dicts...).
 
-    Arguments that hold no collection (tensors, numbers, strings: most updates') take a path of their own, without
-    ``apply_to_collection``'s walk, which costs several microseconds an update.
+    The lists, tuples and dicts are new ones, as ``apply_to_collection`` makes (a list the caller changes after
+    the call is not the update's). Arguments of tensors, numbers and strings, and plain lists, tuples and dicts
+    of them (most updates': a text Metric's sentences), are walked here: ``apply_to_collection`` costs a few
+    microseconds an element. Anything else (a dataclass, a named tuple) is left to it.
     """
     args, kwargs = inputs
     flat = (kind, *_FLAT) if isinstance(kind, type) else (*kind, *_FLAT)
-    if all(isinstance(a, flat) for a in args) and all(isinstance(v, flat) for v in kwargs.values()):
-        return tuple(fn(a) if isinstance(a, kind) else a for a in args), {
-            k: fn(v) if isinstance(v, kind) else v for k, v in kwargs.items()
-        }
+    if all(_walked_here(a, flat) for a in args) and all(_walked_here(v, flat) for v in kwargs.values()):
+        return tuple(_mapped(a, kind, fn) for a in args), {k: _mapped(v, kind, fn) for k, v in kwargs.items()}
     return apply_to_collection(inputs, kind, fn)
+
+
+_ATOMS = frozenset({str, int, float, bool, type(None)})  # exact types: a list of only these is copied whole
+
+
+def _walked_here(value: Any, flat: tuple[type, ...]) -> bool:
+    """Whether ``value`` is a ``flat`` one, or a plain list, tuple or dict of such values at any depth."""
+    if isinstance(value, flat):
+        return True
+    if type(value) is list or type(value) is tuple:
+        return _ATOMS.issuperset(map(type, value)) or all(_walked_here(v, flat) for v in value)
+    if type(value) is dict:
+        return all(_walked_here(v, flat) for v in value.values())
+    return False
+
+
+def _mapped(value: Any, kind: type | tuple[type, ...], fn: Callable) -> Any:
+    """``value`` (one :func:`_walked_here` accepts) with ``fn`` applied to each ``kind`` in it."""
+    if isinstance(value, kind):
+        return fn(value)
+    if type(value) is list:
+        return list(value) if _ATOMS.issuperset(map(type, value)) else [_mapped(v, kind, fn) for v in value]
+    if type(value) is tuple:
+        return value if _ATOMS.issuperset(map(type, value)) else tuple(_mapped(v, kind, fn) for v in value)
+    if type(value) is dict:
+        return {k: _mapped(v, kind, fn) for k, v in value.items()}
+    return value
 
 
 def _start_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

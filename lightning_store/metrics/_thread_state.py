@@ -89,7 +89,7 @@ class _CallerState:
         self.inference = torch.is_inference_mode_enabled()
         included, excluded = _dispatch_keys()
         self.keys = (_identity(included), _identity(excluded))  # values, which a worker process can be sent
-        self.autocast = _autocast_on(excluded)
+        self.autocast = _autocast_on(excluded, self.keys[1])
         self.cache = torch.is_autocast_cache_enabled()
         self.flush = _flushes_subnormals()
         self.default_dtype = torch.get_default_dtype()
@@ -155,6 +155,17 @@ class _CallerState:
             )
 
 
-def _autocast_on(excluded: Any) -> tuple[tuple[str, torch.dtype], ...]:
-    """The device types autocast is on for in this thread (its key is not excluded), with the dtype of each."""
-    return tuple((device, _autocast_dtype(device)) for device, key in _AUTOCAST_KEYS.items() if not excluded.has(key))
+_AUTOCAST_ON: dict[Any, tuple[str, ...]] = {}  # the identity of an excluded key set -> the device types it leaves on
+
+
+def _autocast_on(excluded: Any, identity: Any) -> tuple[tuple[str, torch.dtype], ...]:
+    """The device types autocast is on for in this thread (its key is not excluded), with the dtype of each.
+
+    ``identity`` is that of ``excluded``: a thread sees few key sets, whose device types are looked up once each.
+    """
+    devices = _AUTOCAST_ON.get(identity)
+    if devices is None:
+        devices = tuple(device for device, key in _AUTOCAST_KEYS.items() if not excluded.has(key))
+        if len(_AUTOCAST_ON) < 256:
+            _AUTOCAST_ON[identity] = devices
+    return tuple((device, _autocast_dtype(device)) for device in devices)
