@@ -2,8 +2,9 @@
 
 Every figure is a ratio, offloaded to plain, measured side by side in one run: the ways run in a shuffled order in
 each round, each round gives one ratio, and the script prints the median ratio over rounds with its interquartile
-range (the machine's noise). Before anything, 30 MiB is allocated and freed (see ``_warm_up_allocator``), so that no
-part's figures depend on the parts run before it. The whole process runs at ``--threads`` intra-op threads (default
+range (the machine's noise). Each part runs in a Python process of its own (see ``run_part_apart``), which first
+allocates and frees 30 MiB (see ``_warm_up_allocator``), as a training process has freed something large before its
+steps: no part's figures depend on the parts run before it. Each runs at ``--threads`` intra-op threads (default
 1; the worker thread of ``offload_to_cpu`` uses the same number). Every offloaded Metric's value is checked equal
 (``torch.equal``) to that of the same Metric run plainly on the same inputs; a mismatch is printed and the script
 exits with 1.
@@ -15,7 +16,7 @@ exits with 1.
    Reported apart: the queue full (``max_pending=1``), where every call after the first waits for the worker
    (backpressure: the bound does not change that steady state, only how many calls pass before it), and the
    worker's time per update (the burst and its settling, over the calls). The first ``update`` of an offloaded
-   Metric runs a one-time check in the caller (a deep copy and a trial update); it is reported in the notes.
+   Metric starts the worker; it is reported in the notes.
    Goal: at most 0.05 with room in the queue.
 2. CPU, a training loop: a small MLP's forward, backward and SGD step, with ``BinaryAUROC(thresholds=200)``
    updated on its predictions after the forward; sizes such that the update is about half of the inline step.
@@ -29,22 +30,31 @@ exits with 1.
    kept, Python's and NumPy's generators compared. An update's time as the worker runs it against the plain
    ``update``, both in the main thread, for Metrics of few large ops, many small ops, and a tiny one. No goal: it
    is time in the worker, off the caller, and costs the step only where the worker falls behind.
-5. GPU (only with CUDA): (a) the host syncs per ``update`` of an offloaded ``BinaryAUROC(thresholds=200)`` fed
+5. CPU, a launch-bound step: the training thread runs ``LAUNCH_OPS`` small ops a step (dispatcher-bound, as a host
+   launching a GPU's kernels is), and updates a Metric whose update costs less than the step: a binned AUROC of
+   1,000 predictions, and Metrics that run Python in ``update`` (word error rate, ROUGE; detection mAP where
+   ``faster-coco-eval`` is installed). The time per step over ``LAUNCH_STEPS`` steps, the worker's queue waited
+   for at the end, with the Metric inline, in a worker thread and in a worker process, against the step with no
+   Metric. Reading the states back from the worker process (once an epoch in a fit) is reported apart. Goal: at
+   most 1.10 offloaded.
+6. GPU (only with CUDA): (a) the host syncs per ``update`` of an offloaded ``BinaryAUROC(thresholds=200)`` fed
    CUDA tensors, counted with ``torch.cuda.set_sync_debug_mode("warn")`` by the thread that made them, the first
-   update apart (its one-time check copies the inputs at once); (b) the device bytes of its states; (c) the step
-   time of a small CUDA model's training step with an offloaded ``MulticlassConfusionMatrix(num_classes=1000)``
-   updated on 1,000,000 predictions against the same step without a Metric, the device synchronised around each
-   timed loop only. Goals: 0 syncs per update after the first, 0 device bytes, a step ratio of at most 1.02.
+   update apart (it makes the pinned buffers); (b) the device bytes of its states; (c) a launch-bound CUDA step
+   (``GPU_OPS`` small kernels) with an offloaded ``BinaryAUROC(thresholds=200)`` of 10,000 predictions against
+   the same step without a Metric, the device synchronised around each timed loop only. Goals: 0 syncs per update
+   after the first, 0 device bytes, a step ratio of at most 1.02. Both workers.
 
-    python benchmarks/offload.py [--rounds 9] [--calls 5] [--threads 1] [--parts heavy loop tiny guard gpu]
+    python benchmarks/offload.py [--rounds 9] [--calls 5] [--threads 1] [--parts heavy loop tiny guard launch gpu]
     python benchmarks/offload.py --quick   # small sizes, 2 rounds: checks the script itself
 """
 
 import argparse
 import os
+import pickle
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -64,6 +74,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 from lightning_store import StoreOnCPUWarning, offload_to_cpu
 from lightning_store.metrics._in_thread import _as_at_the_call
 from lightning_store.metrics._inputs import _start_copies
+from lightning_store.metrics._inputs_shared import _Outgoing
 from lightning_store.metrics._random import _drawn, _host_states
 from lightning_store.metrics._thread_state import _CallerState
 
@@ -167,7 +178,7 @@ def heavy(report: Report, rounds: int, calls: int, sizes: tuple[int, ...]) -> No
                 "full": offload_to_cpu(make(), max_pending=1),
             }
             first: dict[str, float] = {}
-            for way, metric in metrics.items():  # the same first batch for all: the first offloaded call checks
+            for way, metric in metrics.items():  # the same first batch for all; an offloaded one starts the worker
                 start = time.perf_counter()
                 metric.update(*batches[0])
                 first[way] = time.perf_counter() - start
@@ -357,20 +368,25 @@ def tiny(report: Report, rounds: int, updates: int) -> None:
 
 
 def _handover_parts(scalars: list[Tensor]) -> str:
-    """Where a thread worker's hand-over goes: the input's copy, the caller's torch state, the queue (lock, wake-up)."""
+    """Where the hand-over goes, part by part; the rest of the caller's time is the queue (lock, wake-up, pipe).
+
+    The input's copy (a worker thread) or its bytes (a worker process), the message pickled, the torch state.
+    """
     count = 2000
-    timings = {}
-    start = time.perf_counter()
-    for i in range(count):
-        _start_copies((scalars[i % len(scalars)],), {})
-    timings["the input's copy"] = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(count):
-        _CallerState()
-    timings["the torch state"] = time.perf_counter() - start
-    return "hand-over to a thread, per update: " + ", ".join(
-        f"{k} {v / count * 1e6:.1f} µs" for k, v in timings.items()
-    )
+    timings: dict[str, float] = {}
+
+    def timed(what: str, run: Callable[[int], Any]) -> None:
+        start = time.perf_counter()
+        for i in range(count):
+            run(i)
+        timings[what] = (time.perf_counter() - start) / count
+
+    timed("thread: the input's copy", lambda i: _start_copies((scalars[i % len(scalars)],), {}))
+    timed("process: the input's bytes", lambda i: _Outgoing((scalars[i % len(scalars)],), {}))
+    message = ("update", 1, 1, "", _Outgoing((scalars[0],), {}).inputs, None)
+    timed("process: the message pickled", lambda i: pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+    timed("either: the torch state", lambda i: _CallerState())
+    return "the hand-over's parts, per update: " + ", ".join(f"{k} {v * 1e6:.1f} µs" for k, v in timings.items())
 
 
 # 4. What the worker adds around each update: the caller's torch state, the guard, the generators compared
@@ -420,7 +436,7 @@ def guard(report: Report, rounds: int, updates: int) -> None:
 
 # 5. CPU, a launch-bound step: many small ops in the training thread, as a host launching GPU kernels
 
-LAUNCH_OPS, LAUNCH_STEPS = 1500, 60
+LAUNCH_OPS, LAUNCH_STEPS = 1500, 150  # steps a measure: the worker's queue, waited for at the end, weighs little
 _WORDS = [f"w{i}" for i in range(200)]
 
 
@@ -699,33 +715,16 @@ def _warm_up_allocator() -> None:
 
     Below it, freed memory is kept for the next allocation rather than handed back; without it, a Metric's
     temporaries of a few MiB page-fault afresh at every call in the main thread (not in the worker's arena) until
-    something large has been freed, and a part's figures would depend on the parts run before it.
+    something large has been freed, as it has been in a training process (its model, its first batches).
     """
     block = torch.empty(30 * 2**20, dtype=torch.uint8)
     del block
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--calls", type=int, default=5, help="heavy Metric: update calls a round")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, process-wide")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds: checks the script itself")
-    add_docs_option(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    os.environ["HELD"] = os.path.join(tempfile.mkdtemp(), "held")  # before a worker process starts: it reads it
-    warnings.filterwarnings("ignore", category=StoreOnCPUWarning)  # the tight loops here fall behind on purpose
-    _warm_up_allocator()
+def run_parts(args: argparse.Namespace, report: Report) -> None:
+    """Run the parts ``args`` name, in this process, into ``report``."""
     rounds = 2 if args.quick else max(args.rounds, 2)
     calls = 3 if args.quick else max(args.calls, 2)
-    report = Report()
-    started = time.perf_counter()
-    print(
-        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, torchmetrics {torchmetrics.__version__},"
-        f" {torch.get_num_threads()} intra-op thread(s); {rounds} rounds; `python {' '.join(sys.argv)}`\n"
-    )
     if "heavy" in args.parts:
         heavy(report, rounds, calls, (10_000, 100_000) if args.quick else (100_000, 1_000_000))
     if "loop" in args.parts:
@@ -741,10 +740,62 @@ def main() -> None:
             gpu(report, rounds, args.quick, torch.device("cuda", torch.cuda.current_device()))
         else:
             print(f"GPU part skipped: torch.cuda.is_available() is False (torch {torch.__version__})")
+
+
+def run_part_apart(args: argparse.Namespace, part: str, report: Report) -> None:
+    """Run one part in a Python process of its own, and add what it measured to ``report``.
+
+    A part's figures must not depend on the parts run before it. They did in one process: a part whose Metrics
+    allocate large temporaries leaves glibc's heap with large free regions, and the first allocation of a few
+    hundred bytes or more after a step of only small tensors then stalls for milliseconds, once in a while. A step
+    with no Metric (the baseline of part 5) never makes one, and the offloaded steps beside it paid the stalls.
+    """
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "report.pickle")
+        command = [sys.executable, __file__, "--parts", part, "--rounds", str(args.rounds), "--calls", str(args.calls)]
+        command += ["--threads", str(args.threads), "--report-to", path] + (["--quick"] if args.quick else [])
+        subprocess.run(command, check=True)
+        with open(path, "rb") as file:
+            done = pickle.load(file)
+    report.rows += done.rows
+    report.notes += done.notes
+    report.gpu_notes += done.gpu_notes
+    report.mismatches += done.mismatches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--calls", type=int, default=5, help="heavy Metric: update calls a round")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, process-wide")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds: checks the script itself")
+    parser.add_argument("--report-to", help=argparse.SUPPRESS)  # run the parts here, pickle what they measured there
+    add_docs_option(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ["HELD"] = os.path.join(tempfile.mkdtemp(), "held")  # before a worker process starts: it reads it
+    warnings.filterwarnings("ignore", category=StoreOnCPUWarning)  # the tight loops here fall behind on purpose
+    report = Report()
+    if args.report_to:
+        _warm_up_allocator()
+        run_parts(args, report)
+        with open(args.report_to, "wb") as file:
+            pickle.dump(report, file)
+        return
+    rounds = 2 if args.quick else max(args.rounds, 2)
+    started = time.perf_counter()
+    print(
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, torchmetrics {torchmetrics.__version__},"
+        f" {torch.get_num_threads()} intra-op thread(s); {rounds} rounds; `python {' '.join(sys.argv)}`\n"
+    )
+    for part in PARTS:
+        if part in args.parts:
+            run_part_apart(args, part, report)
     intro = [
-        f"`benchmarks/offload.py`, {torch.get_num_threads()} torch thread(s), {rounds} rounds: each ratio is the"
-        " offloaded time over the baseline's, measured side by side in each round; its median, and in brackets the"
-        " interquartile range over the rounds.",
+        f"`benchmarks/offload.py`, {torch.get_num_threads()} torch thread(s), {rounds} rounds, each part in a process"
+        " of its own: each ratio is the offloaded time over the baseline's, measured side by side in each round; its"
+        " median, and in brackets the interquartile range over the rounds.",
         "",
     ]
     gpu_rows = [row for row in report.rows if row.part == "6"]

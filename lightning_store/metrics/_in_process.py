@@ -74,7 +74,7 @@ class _ProcessQueue(_Queue):
         outgoing = _Outgoing(args, kwargs)
         with _process_worker._worker.lock:
             self._send_root()
-            waited = _wait_for_room(self, _process_worker._worker.receive)
+            waited = _wait_for_room(self, _process_worker._worker.receive, _process_worker._worker.receive_ready)
             self.pending += 1
             self.queued += 1
             self.ahead_there = True

@@ -159,6 +159,14 @@ class _ProcessWorker:
         if queue is not None:
             queue.on_done(number, error, kept, drawn, discarded)
 
+    def receive_ready(self) -> None:
+        """Take the answers the worker process has sent, without waiting for more."""
+        try:
+            while self.conn is not None and self.conn.poll():
+                self.receive()
+        except (OSError, ValueError):
+            self._lost()
+
     def pull(self, queue: "_ProcessQueue") -> None:
         """Copy the states of the worker process's copy of ``queue.root`` into ``queue.root``."""
         self.send(("pull", queue.id))

@@ -147,8 +147,14 @@ class _Queue:
         raise again from error
 
 
-def _wait_for_room(queue: _Queue, wait: Callable[[], Any]) -> float | None:
-    """Wait (with ``wait``, which returns when an update has run) while ``max_pending`` updates wait; how long."""
+def _wait_for_room(queue: _Queue, wait: Callable[[], Any], take_done: Callable[[], Any] | None = None) -> float | None:
+    """Wait (with ``wait``, which returns when an update has run) while ``max_pending`` updates wait; how long.
+
+    ``take_done`` first takes, without waiting, what says that updates have run (a worker process's answers, read
+    only when this process looks): a queue full only until then had room.
+    """
+    if queue.pending >= queue.max_pending and take_done is not None:
+        take_done()
     if queue.pending < queue.max_pending:
         return None
     started = time.perf_counter()
