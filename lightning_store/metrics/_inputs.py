@@ -113,8 +113,9 @@ _FLAT = (Tensor, int, float, bool, str, type(None))  # what an update's argument
 
 
 # At most this, an input is copied into memory just allocated (a worker process gets it with the message), no buffer
-# kept for it. A larger allocation is costly in the caller's thread: after a step of many small tensors, glibc's
-# malloc first merges the small blocks they freed (about 30 µs at each call); a kept buffer is not allocated.
+# kept for it. A larger allocation can cost the caller's thread much more than the copy: after a step of many small
+# tensors, glibc's malloc first merges the small blocks they freed (about 30 µs), and after large temporaries were
+# freed it may trim and grow its heap again (milliseconds, at times). A buffer kept is not allocated again.
 _SMALL_BYTES = 512
 
 
