@@ -116,6 +116,12 @@ class SeesLayout(Metric):
         return dim_zero_cat(self.seen)
 
 
+def made_in_inference_mode(make: Callable[[], Tensor]) -> Tensor:
+    """``make()`` run in inference mode: an inference tensor, as Lightning's evaluation loops make."""
+    with torch.inference_mode():
+        return make()
+
+
 class SeesAll(Metric):
     """Keeps, at each update, what it can tell of its input: class, dtype, layout, alignment, mode and values."""
 

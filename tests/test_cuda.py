@@ -4,7 +4,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torchmetrics
-from _metrics import Gram, LastSeenFirst, SeesAll, SeesLayout, assert_same_values
+from _metrics import Gram, LastSeenFirst, SeesAll, SeesLayout, assert_same_values, made_in_inference_mode
 from _support import LoggingModel, RecordingLogger, assert_same, loader, stored_tensors
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
@@ -461,11 +461,6 @@ def test_an_input_on_the_gpu_lands_with_the_layout_tensor_cpu_gives(make):
     assert torch.equal(metric.compute(), plain.compute())
 
 
-def _made_in_inference_mode(make):
-    with torch.inference_mode():
-        return make()
-
-
 def _complex_on_gpu():
     return torch.complex(torch.randn(16, 32, device="cuda"), torch.randn(16, 32, device="cuda"))
 
@@ -476,7 +471,7 @@ def _complex_on_gpu():
     [
         (lambda: _complex_on_gpu().conj(), False),
         (lambda: _complex_on_gpu().conj().imag, False),
-        (lambda: _made_in_inference_mode(lambda: torch.randn(16, 32, device="cuda")), False),
+        (lambda: made_in_inference_mode(lambda: torch.randn(16, 32, device="cuda")), False),
         (lambda: torch.randn(16, 32, device="cuda"), True),
     ],
     ids=["conjugate view", "negative view", "made in inference mode", "passed in inference mode"],

@@ -4,7 +4,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from _metrics import SeesAll, SeesLayout, assert_same_values
+from _metrics import SeesAll, SeesLayout, assert_same_values, made_in_inference_mode
 from torch import Tensor
 from torchmetrics import CatMetric, MeanMetric, SumMetric
 
@@ -46,11 +46,6 @@ class Tagged(Tensor):
     """A tensor subclass, which a Metric may tell apart."""
 
 
-def _in_inference_mode(make):
-    with torch.inference_mode():
-        return make()
-
-
 def _complex(*shape: int) -> Tensor:
     return torch.complex(_randn(*shape, seed=1), _randn(*shape, seed=2))
 
@@ -65,8 +60,8 @@ KINDS = {
     "conjugate view, large": lambda: _complex(300, 40).conj(),
     "negative view, small": lambda: _complex(4).conj().imag,
     "negative view, large": lambda: _complex(300, 40).conj().imag,
-    "made in inference mode, small": lambda: _in_inference_mode(lambda: _randn(3)),
-    "made in inference mode, large": lambda: _in_inference_mode(lambda: _randn(300, 40)),
+    "made in inference mode, small": lambda: made_in_inference_mode(lambda: _randn(3)),
+    "made in inference mode, large": lambda: made_in_inference_mode(lambda: _randn(300, 40)),
     "subclass, small": lambda: _randn(3).as_subclass(Tagged),
     "subclass, large": lambda: _randn(300, 40).as_subclass(Tagged),
     "sparse": lambda: torch.tensor([[0.0, 1.5], [2.5, 0.0]]).to_sparse(),

@@ -84,11 +84,12 @@ class _Outgoing:
     def _describe(self, tensor: Tensor) -> Any:
         tensor = tensor.detach()
         transfer = _transfer_for(tensor.device)
-        if transfer is None and type(tensor) is Tensor and _small_and_whole(tensor):
-            return _Small(unflagged(tensor), flags(tensor))  # with the message: a loss, a few predictions
-        if transfer is None and (type(tensor) is not Tensor or tensor.layout != torch.strided or tensor.is_quantized):
-            self.tensors = True  # a subclass (its class kept), a sparse or quantized tensor: pickled by torch
-            return tensor.to("cpu", copy=True)
+        if transfer is None:
+            if type(tensor) is Tensor and _small_and_whole(tensor):
+                return _Small(unflagged(tensor), flags(tensor))  # with the message: a loss, a few predictions
+            if type(tensor) is not Tensor or tensor.layout != torch.strided or tensor.is_quantized:
+                self.tensors = True  # a subclass (its class kept), a sparse or quantized tensor: pickled by torch
+                return tensor.to("cpu", copy=True)
         passed, tensor = flags(tensor), unflagged(tensor)
         if transfer is not None:
             copy = transfer.start(tensor, snapshot=True)  # its host tensor has the layout `tensor.cpu()` gives

@@ -19,7 +19,6 @@ from lightning_store.metrics._thread_state import _CallerState
 if TYPE_CHECKING:
     from lightning_store.metrics._in_process import _ProcessQueue
 
-_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _HINT_LOST = (
     "If it ended at once: it starts as DataLoader workers do with the `spawn` method, so a script that makes an"
     " offloaded Metric guards its code with `if __name__ == '__main__':`."
@@ -112,7 +111,9 @@ class _ProcessWorker:
             self.state = state
             message = (*head, outgoing.inputs, None if same else state)
             # most often no tensor is left in the inputs (they are in the arena, or `_Small`): pickle's own is faster
-            self.send_bytes(_pickling.dumps(message) if outgoing.tensors else pickle.dumps(message, _PROTOCOL))
+            self.send_bytes(
+                _pickling.dumps(message) if outgoing.tensors else pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+            )
 
     def _space(self, nbytes: int) -> tuple[_Arena, int]:
         if self.arena is None or nbytes > self.arena.size // 2:
