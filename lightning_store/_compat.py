@@ -1,8 +1,11 @@
 """The Lightning releases lightning-store is tested with, and a clear error for any other."""
 
+import copyreg
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import torch.serialization
 from packaging.version import Version
 
 # the oldest release tested (`.ci/run`), and the first minor release not yet tested
@@ -44,15 +47,15 @@ def _in_front_of(front: type, base: type) -> type:
 
     The class made knows ``base`` as ``_base_class``; pickle finds it by no name, so it pickles through
     :func:`_remade`. In front of a Lightning class it is named for both (``_StoredOnCPU_ResultMetric``). A front
-    that keeps a Python object on the instance (``_kept_attribute``: a configured Metric's) is named as ``base``,
-    which it stands for, and TorchScript leaves that object alone, and ``metric_state`` (torchmetrics >= 1.1 only).
+    that keeps Python objects on the instance (``_kept_attributes``: a configured Metric's) is named as ``base``,
+    which it stands for, and TorchScript leaves those objects alone, and ``metric_state`` (torchmetrics >= 1.1 only).
     """
     if (front, base) not in _made:
         if base.__module__.startswith("lightning."):
             _check_lightning_version("lightning")
-        kept = getattr(front, "_kept_attribute", None)
+        kept = getattr(front, "_kept_attributes", ())
         attributes: dict[str, Any] = {"_base_class": base}
-        if kept is None:
+        if not kept:
             name = f"{front.__name__}{base.__name__}"
         else:
             name = base.__name__
@@ -60,7 +63,7 @@ def _in_front_of(front: type, base: type) -> type:
                 "__module__": base.__module__,
                 "__qualname__": base.__qualname__,
                 "__jit_unused_properties__": [*getattr(base, "__jit_unused_properties__", []), "metric_state"],
-                "__jit_ignored_attributes__": [*getattr(base, "__jit_ignored_attributes__", []), kept],
+                "__jit_ignored_attributes__": [*getattr(base, "__jit_ignored_attributes__", []), *kept],
             }
         _made[front, base] = type(name, (front, base), attributes)
     return _made[front, base]
@@ -70,3 +73,30 @@ def _remade(front: type, base: type) -> Any:
     """An empty object of the class :func:`_in_front_of` makes, made again if need be, for pickle to fill."""
     made: Any = _in_front_of(front, base)
     return made.__new__(made)
+
+
+# the functions of `torch.save` that pickle what it writes (`_legacy_save`: `_use_new_zipfile_serialization=False`)
+_TORCH_SAVES = frozenset(save.__code__ for save in (torch.serialization._save, torch.serialization._legacy_save))
+
+
+def _in_torch_save() -> bool:
+    """Whether the object being pickled now goes into a file ``torch.save`` writes: a checkpoint, say.
+
+    Such a file may be loaded where lightning-store is not installed: a configured Metric goes into it as the plain
+    Metric (see ``_SettledReads.__reduce_ex__``). Other pickles (``deepcopy``, ``ddp_spawn``, a DataLoader worker's)
+    keep the configuration.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _TORCH_SAVES:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _plain_reduce(base: type, state: dict[str, Any]) -> tuple[Any, ...]:
+    """What pickle is to write for an object of class ``base`` (a Metric's own, a collection's) holding ``state``.
+
+    Loaded, it is ``object.__new__(base)`` given ``state`` by ``base.__setstate__``, as the plain object pickles.
+    """
+    return copyreg._reconstructor, (base, object, None), state  # type: ignore[attr-defined]

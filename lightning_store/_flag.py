@@ -9,7 +9,10 @@ from pytorch_lightning.utilities.argparse import _defaults_from_env_vars
 
 from lightning_store._cli import _cli_source
 from lightning_store._policy import _as_bool
-from lightning_store.warnings import StoreOnCPUDeprecationWarning, _deprecate_once, _warn_once_at
+from lightning_store.warnings import StoreOnCPUDeprecationWarning, _warn_once_at, _warn_once_outside
+
+# what builds a Trainer from a config between the user's line and the Trainer's `__init__` (`LightningCLI`: `_cli`)
+_LAUNCHERS = ("hydra", "omegaconf", "jsonargparse")
 
 _DEPRECATION = (
     "`Trainer(move_metrics_to_cpu=True)` is deprecated and will be removed in lightning-store 1.0."
@@ -65,11 +68,9 @@ def _deprecate_where_set(environment_of: type | None) -> None:
     cli = _cli_source()
     if cli is not None:  # `LightningCLI` built the Trainer: its argument, config file or `LightningCLI(...)` line
         _warn_once_at(f"{_DEPRECATION} (set by {cli.what})", cli.filename, cli.lineno, StoreOnCPUDeprecationWarning)
-    elif environment_of is not None:
-        # 2 is this function; 3 `__init__` below; 4 the user's `Trainer(...)` line
-        _deprecate_once(f"{_DEPRECATION} (set by the environment variable {_variable(environment_of)})", stacklevel=4)
-    else:
-        _deprecate_once(_DEPRECATION, stacklevel=4)
+    else:  # the user's `Trainer(...)` line, or the line that has a launcher build the Trainer from a config
+        where = "" if environment_of is None else f" (set by the environment variable {_variable(environment_of)})"
+        _warn_once_outside(_DEPRECATION + where, _LAUNCHERS, StoreOnCPUDeprecationWarning)
 
 
 def _variable(trainer_class: type) -> str:

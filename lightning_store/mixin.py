@@ -11,7 +11,7 @@ from lightning_store._policy import _as_bool, _from_log_dict, _module_policy, _r
 from lightning_store.metrics._offloaded import _is_offloaded
 from lightning_store.metrics._states import _metrics_in, _owns_list_states
 from lightning_store.metrics.states import _stores_states_on_cpu
-from lightning_store.warnings import _warn_once
+from lightning_store.warnings import _warn_once, _warn_once_outside
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule as _LogBase
@@ -19,6 +19,8 @@ else:
     _LogBase = object
 
 __all__ = ["StoreOnCPUMixin"]
+
+_LIGHTNING = ("pytorch_lightning", "lightning")
 
 
 class StoreOnCPUMixin(_LogBase):
@@ -206,6 +208,17 @@ class StoreOnCPUMixin(_LogBase):
         outcome is left to Lightning.
         """
         if not isinstance(value, Tensor) and isinstance(value, Metric):  # the plain check first: it is faster
+            if not warn_for_a_metric:  # `store_on_cpu_default = True`: said once, if the Metric keeps lists
+                if _keeps_list_states_on_its_device(value):
+                    _warn_once_outside(
+                        f"`{type(self).__name__}.store_on_cpu_default = True` stores on the CPU the tensors the"
+                        " module logs, not the states of the Metrics it logs: those stay where the Metric updates."
+                        f" {type(value).__name__} keeps what it gathers over an epoch (every prediction and target)"
+                        " in list states. HINT: to keep them on the CPU, configure the Metric once where it is"
+                        " made, `lightning_store.store_states_on_cpu(metric)`; then it is logged as before.",
+                        _LIGHTNING,  # the user's `self.log` or `self.log_dict` line
+                    )
+                return
             if warn_for_a_metric:
                 # `log_dict` hands each item to `self.log`: point at the user's `log_dict` line and name that call
                 # (stacklevel 4 is the caller of `log`; `log_dict` adds Lightning's `log_dict` and ours above it)
@@ -231,6 +244,14 @@ _LEAVE_IT = (
     "log it without `store_on_cpu`; or set `store_on_cpu_default = True` on the LightningModule, which stores every"
     " tensor it logs on the CPU and logs its Metrics as usual, and leave `store_on_cpu` out of this call."
 )
+
+
+def _keeps_list_states_on_its_device(metric: Metric) -> bool:
+    """Whether ``metric`` holds list states (what grows over an epoch) that nothing keeps on the CPU."""
+    if _is_offloaded(metric):
+        return False
+    holders = [m for m in _metrics_in(metric) if _owns_list_states(m)]  # on each such call: without hashing them
+    return any(not _stores_states_on_cpu(m) for m in holders)
 
 
 def _metric_hint(metric: Metric) -> str:

@@ -82,7 +82,8 @@ def storage_report(trainer: Any) -> list[KeyStorage]:
     ``on_validation_batch_end`` (or that loop's ``on_*_epoch_end``). A logged ``Metric`` is reset when its loop's
     epoch ends: in a fit, the validation epoch ends before ``on_train_epoch_end``, where the validation Metrics'
     rows read ``"-"`` and 0 bytes. When a loop ends, Lightning moves all of its logged state to the CPU, whatever
-    the policy.
+    the policy. A Metric logged in several loops (the same object for validation and test, say) holds the state of
+    the loop that runs: its rows in the other loops read ``"-"`` and 0 bytes.
 
     Args:
         trainer: a ``Trainer`` of either Lightning namespace, fitted or running.
@@ -96,7 +97,23 @@ def storage_report(trainer: Any) -> list[KeyStorage]:
         []
 
     """
-    return [_row(loop, result) for loop, results in _loops(trainer) for result in results.values()]
+    loops = list(_loops(trainer))
+    running = _running_loop(trainer)
+    # a Metric logged in several loops (validation and test, say) holds the state of the loop that runs now
+    held_by_running = {id(r.value) for name, results in loops if name == running for r in results.values()}
+    return [
+        _row(loop, result, held=result.is_tensor or loop == running or id(result.value) not in held_by_running)
+        for loop, results in loops
+        for result in results.values()
+    ]
+
+
+def _running_loop(trainer: Any) -> str | None:
+    """The name of the loop that runs now (or ran last), as in :attr:`KeyStorage.loop`; ``None`` for none."""
+    function, stage = (getattr(value, "value", None) for value in (trainer.state.fn, trainer.state.stage))
+    if function == "fit":
+        return "fit_validation" if stage in ("sanity_check", "validate") else "train"
+    return function if function in ("validate", "test") else None
 
 
 # the columns `format_storage_report` leaves out first to fit a width: those that say least, last to first
@@ -181,10 +198,12 @@ def _loops(trainer: Any) -> Iterator[tuple[str, dict[str, Any]]]:
             yield name, results
 
 
-def _row(loop: str, result: Any) -> KeyStorage:
+def _row(loop: str, result: Any, held: bool = True) -> KeyStorage:
+    """The row of ``result``; ``held=False`` for a Metric whose state another loop holds now: nothing counted."""
     meta = result.meta
     queue = None if result.is_tensor else _queue_of(result.value)
-    tensors = list(_held_tensors(result))  # for an offloaded Metric, this waits for the updates queued before
+    # for an offloaded Metric, this waits for the updates queued before
+    tensors = list(_held_tensors(result)) if held else []
     devices = sorted({str(t.device) for t in tensors})
     set_by = _set_by(result, queue is not None)
     return KeyStorage(

@@ -1,6 +1,8 @@
 """Warning and error classes of lightning-store, and the rank-zero helpers that emit them once."""
 
+import sys
 import warnings
+from collections.abc import Iterable
 
 from lightning_utilities.core.rank_zero import WarningCache, rank_zero_only
 
@@ -80,3 +82,32 @@ def _warn_once_at(message: str, filename: str, lineno: int, category: type[Warni
 def _warn_explicit(message: str, category: type[Warning], filename: str, lineno: int) -> None:
     # no registry: the cache above shows it once per message
     warnings.warn_explicit(message, category, filename, lineno)
+
+
+def _first_frame_outside(packages: Iterable[str]) -> tuple[str, int] | None:
+    """The file and line of the innermost caller outside this package and ``packages`` (top-level names).
+
+    For a warning about a line of the user's that Lightning, a launcher (Hydra...) or a library calls in between.
+    ``None`` if every frame is inside them.
+    """
+    skipped = {"lightning_store", *packages}
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__") or ""
+        if module.partition(".")[0] not in skipped:
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _warn_once_outside(message: str, packages: Iterable[str], category: type[Warning] = StoreOnCPUWarning) -> None:
+    """As :func:`_warn_once_at`, at the innermost caller outside this package and ``packages`` (see above)."""
+    if message in _cache:
+        return
+    where = _first_frame_outside(packages)
+    if where is not None:
+        _warn_once_at(message, *where, category)
+    elif issubclass(category, DeprecationWarning):
+        _deprecate_once(message)
+    else:
+        _warn_once(message)

@@ -1,3 +1,4 @@
+import inspect
 import math
 import re
 import warnings
@@ -330,7 +331,60 @@ def test_the_hint_for_a_metric_with_list_states_on_its_device_is_store_states_on
     _assert_logs_as_plain_lightning(_logged(configured, quiet_trainer_kwargs), plain)
     assert _stores_states_on_cpu(configured.metric)
     _assert_logs_as_plain_lightning(_logged(_ClassifierModel(auroc, store_on_cpu=None), quiet_trainer_kwargs), plain)
-    _assert_logs_as_plain_lightning(_logged(_ClassifierModelWithDefault(auroc), quiet_trainer_kwargs), plain)
+    # under `store_on_cpu_default`, the values are plain Lightning's, and it is said once that the states stay
+    history, callback_metrics, messages = _logged(_ClassifierModelWithDefault(auroc), quiet_trainer_kwargs)
+    _assert_logs_as_plain_lightning((history, callback_metrics, []), plain)
+    assert messages == [_DEFAULT_WARNING.format(module="_ClassifierModelWithDefault", name="BinaryAUROC")]
+    configured = _ClassifierModelWithDefault(auroc, store_states_on_cpu)  # the hint, followed: nothing to say
+    _assert_logs_as_plain_lightning(_logged(configured, quiet_trainer_kwargs), plain)
+
+
+_DEFAULT_WARNING = (
+    "`{module}.store_on_cpu_default = True` stores on the CPU the tensors the module logs, not the states of the"
+    " Metrics it logs: those stay where the Metric updates. {name} keeps what it gathers over an epoch (every"
+    " prediction and target) in list states. HINT: to keep them on the CPU, configure the Metric once where it is"
+    " made, `lightning_store.store_states_on_cpu(metric)`; then it is logged as before."
+)
+
+
+class _LogsOnlyMetrics(StoreOnCPUMixin, pl.LightningModule):
+    """As chemprop's module: every value it logs is a Metric object, through ``self.log`` or ``self.log_dict``."""
+
+    store_on_cpu_default = True
+
+    def __init__(self, via_log_dict):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.auroc = torchmetrics.classification.BinaryAUROC(thresholds=None)
+        self.via_log_dict = via_log_dict
+
+    def training_step(self, batch, batch_idx):
+        logits = self.layer(batch[0]).squeeze(-1)
+        self.auroc.update(logits.detach().sigmoid(), (batch[0][:, 0] > 0).long())
+        if self.via_log_dict:
+            self.line = inspect.currentframe().f_lineno + 1
+            self.log_dict({"auroc": self.auroc}, on_step=False, on_epoch=True)
+        else:
+            self.line = inspect.currentframe().f_lineno + 1
+            self.log("auroc", self.auroc, on_step=False, on_epoch=True)
+        return logits.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("via_log_dict", [False, True], ids=["log", "log_dict"])
+def test_store_on_cpu_default_says_once_at_the_users_line_that_a_metrics_states_stay(
+    quiet_trainer_kwargs, via_log_dict
+):
+    model = _LogsOnlyMetrics(via_log_dict)
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(n=24))
+    said = [w for w in caught if issubclass(w.category, StoreOnCPUWarning)]
+    assert [str(w.message) for w in said] == [_DEFAULT_WARNING.format(module="_LogsOnlyMetrics", name="BinaryAUROC")]
+    assert (said[0].filename, said[0].lineno) == (__file__, model.line)
 
 
 @pytest.mark.parametrize(

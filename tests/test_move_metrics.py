@@ -6,6 +6,7 @@ import inspect
 import io
 import logging
 import pickle
+import re
 import warnings
 
 import pytest
@@ -29,7 +30,15 @@ from torchmetrics.regression import SpearmanCorrCoef
 from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric
 
-from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUWarning, Trainer, _collection, _compat
+import lightning_store
+from lightning_store import (
+    StoreOnCPUDeprecationWarning,
+    StoreOnCPUWarning,
+    Trainer,
+    _collection,
+    _compat,
+    _move_metrics,
+)
 from lightning_store._collection import _StoringResults
 from lightning_store._result import _StoredOnCPU
 from lightning_store.metrics.states import _stores_states_on_cpu
@@ -302,10 +311,12 @@ def test_torchmetrics_metrics_keep_their_list_states_on_the_cpu_with_the_values_
     said = [r.getMessage() for r in caplog.records if "keeps the list states of" in r.getMessage()]
     assert said == [
         "`Trainer(move_metrics_to_cpu=True)` keeps the list states of `self.auroc` (BinaryAUROC),"
-        " `self.collection.BinaryAveragePrecision` (BinaryAveragePrecision), `self.spearman._base_metric`"
+        ' `self.collection["BinaryAveragePrecision"]` (BinaryAveragePrecision), `self.spearman._base_metric`'
         " (SpearmanCorrCoef), `self.classwise.metric` (CatMetric) on the CPU, as"
-        " `lightning_store.store_states_on_cpu` does. To keep a Metric on its device, set"
-        " `metric.move_metrics_to_cpu = False` in your LightningModule's `__init__`."
+        " `lightning_store.store_states_on_cpu` does. To keep one on its device, set `move_metrics_to_cpu = False`"
+        " on it where it is made: at the end of your LightningModule's `__init__`, or, for a Metric you pass to a"
+        " library's LightningModule (a `metrics=` argument, say), on that Metric before you pass it in:"
+        " `self.auroc.move_metrics_to_cpu = False`."
     ]
     # the user's own Metric: left on its device, with one warning that names it, at its class
     own = [w for w in record if issubclass(w.category, StoreOnCPUWarning)]
@@ -313,9 +324,11 @@ def test_torchmetrics_metrics_keep_their_list_states_on_the_cpu_with_the_values_
     assert str(own[0].message) == (
         "`Trainer(move_metrics_to_cpu=True)` leaves the list states of `self.own` (_Ranked) on its device: _Ranked"
         " is not a torchmetrics class, and only its author knows whether its `update` reads its list states, which"
-        " would then be on the CPU. HINT: if its `update` only appends to them, configure it in your"
-        " LightningModule's `__init__`: `lightning_store.store_states_on_cpu(self.own)`; to keep it on its device"
-        " and silence this warning, set `self.own.move_metrics_to_cpu = False` there."
+        " would then be on the CPU. HINT: if its `update` only appends to them, configure it where it is made: at"
+        " the end of your LightningModule's `__init__`, or, for a Metric you pass to a library's LightningModule"
+        " (a `metrics=` argument, say), on that Metric before you pass it in:"
+        " `lightning_store.store_states_on_cpu(self.own)`. To keep it on its device and silence this warning, set"
+        " `self.own.move_metrics_to_cpu = False` there."
     )
     assert (own[0].filename, own[0].lineno) == (__file__, inspect.getsourcelines(_Ranked)[1])
 
@@ -369,3 +382,102 @@ def test_a_metric_with_a_dist_sync_fn_of_its_own_is_left_with_a_warning(quiet_tr
     with pytest.warns(StoreOnCPUWarning, match=r"leaves the list states of `self.auroc` \(BinaryAUROC\) on its"):
         _fit_recorded(_flag_trainer, model, quiet_trainer_kwargs, epochs=1)
     assert not _stores_states_on_cpu(model.auroc)
+
+
+# --- hints a user can paste -----------------------------------------------------------------------------------
+
+
+class _InContainers(pl.LightningModule):
+    """Metrics of the user's own class in an ``nn.ModuleList`` and an ``nn.ModuleDict``, as chemprop keeps them."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.metrics = torch.nn.ModuleList([_Ranked()])
+        self.by_stage = torch.nn.ModuleDict({"val": _Ranked()})
+
+    def training_step(self, batch, batch_idx):
+        scores = self.layer(batch[0]).squeeze(1)
+        self.metrics[0].update(scores.detach())
+        return scores.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _snippets(message):
+    """The code a message gives between backticks that calls or sets something on ``self``."""
+    return [code for code in re.findall(r"`([^`]+)`", message) if "self." in code and ("(" in code or "=" in code)]
+
+
+def test_the_hints_for_metrics_in_a_module_list_and_dict_are_python_that_runs(quiet_trainer_kwargs):
+    model = _InContainers()
+    with pytest.warns(StoreOnCPUWarning) as record:
+        _fit_recorded(_flag_trainer, model, quiet_trainer_kwargs, epochs=1)
+    messages = sorted(str(w.message) for w in record if issubclass(w.category, StoreOnCPUWarning))
+    assert len(messages) == 2
+    snippets = [_snippets(message) for message in messages]
+    assert snippets == [
+        [
+            'lightning_store.store_states_on_cpu(self.by_stage["val"])',
+            'self.by_stage["val"].move_metrics_to_cpu = False',
+        ],
+        ["lightning_store.store_states_on_cpu(self.metrics[0])", "self.metrics[0].move_metrics_to_cpu = False"],
+    ]
+    configured, opted_out = _InContainers(), _InContainers()
+    for store, opt_out in snippets:
+        exec(store, {"lightning_store": lightning_store, "self": configured})
+        exec(opt_out, {"self": opted_out})
+    assert _stores_states_on_cpu(configured.metrics[0]) and _stores_states_on_cpu(configured.by_stage["val"])
+    assert opted_out.metrics[0].move_metrics_to_cpu is False and opted_out.by_stage["val"].move_metrics_to_cpu is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StoreOnCPUWarning)  # the hint silences the warning
+        _fit_recorded(_flag_trainer, opted_out, quiet_trainer_kwargs, epochs=1)
+
+
+def test_the_code_for_a_submodule_reaches_it():
+    model = torch.nn.Module()
+    model.layers = torch.nn.Sequential(torch.nn.ModuleDict({"a-b": torch.nn.Identity()}))
+    model.add_module("not an identifier", torch.nn.ModuleList([torch.nn.Identity()]))
+    for path, module in model.named_modules():
+        code = _move_metrics._code_for(model, path)
+        assert eval(code, {"self": model}) is module, code
+    assert _move_metrics._code_for(model, "layers.0.a-b") == 'self.layers[0]["a-b"]'
+    assert _move_metrics._code_for(model, "not an identifier.0") == 'self.get_submodule("not an identifier")[0]'
+
+
+def test_a_library_class_is_warned_about_at_the_users_line(quiet_trainer_kwargs, tmp_path, monkeypatch):
+    # a Metric class of an installed library (chemprop's, say), defined under a decorator
+    library = tmp_path / "a_library"
+    library.mkdir()
+    (library / "__init__.py").write_text(
+        "from torchmetrics import CatMetric\n\n"
+        "def register(cls):\n    return cls\n\n"
+        "@register\nclass LibraryMetric(CatMetric):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_move_metrics, "_library_roots", lambda: {str(tmp_path.resolve())})
+    from a_library import LibraryMetric
+
+    model = _InContainers()
+    model.metrics[0] = LibraryMetric()
+    model.by_stage["val"].move_metrics_to_cpu = False
+    trainer = _flag_trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.warns(StoreOnCPUWarning, match=r"`self\.metrics\[0\]` \(LibraryMetric\)") as record:
+        line = inspect.currentframe().f_lineno + 1
+        trainer.fit(model, loader())
+    (warning,) = [w for w in record if issubclass(w.category, StoreOnCPUWarning)]
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    assert "for a Metric you pass to a library's LightningModule (a `metrics=` argument, say)" in str(warning.message)
+
+
+def test_a_dist_sync_fn_warning_points_at_the_users_line(quiet_trainer_kwargs):
+    model = _WithMetrics()
+    model.own.move_metrics_to_cpu = False
+    model.auroc.dist_sync_fn = lambda *args, **kwargs: None
+    trainer = _flag_trainer(**quiet_trainer_kwargs, max_epochs=1)
+    with pytest.warns(StoreOnCPUWarning, match=r"dist_sync_fn=") as record:
+        line = inspect.currentframe().f_lineno + 1
+        trainer.fit(model, loader())
+    (warning,) = [w for w in record if "dist_sync_fn=" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, line)

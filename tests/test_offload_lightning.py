@@ -1,5 +1,6 @@
 """Offloaded Metrics in a Lightning fit: logged as the plain ones, bit for bit, checkpointed both ways, reported."""
 
+import inspect
 import warnings
 
 import pytest
@@ -197,3 +198,20 @@ def test_to_torchscript_scripts_a_module_holding_offloaded_metrics_as_a_plain_on
     x = torch.randn(3, 4)
     assert torch.equal(scripted[True](x), scripted[False](x))
     assert torch.equal(scripted[True].auroc.preds[0], scripted[False].auroc.preds[0])
+
+
+@WORKERS
+def test_a_metric_called_through_forward_is_said_once_to_run_in_the_caller(tmp_path, worker):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(tmp_path, offload=worker)
+    said = [w for w in caught if issubclass(w.category, lightning_store.StoreOnCPUWarning)]
+    assert [str(w.message) for w in said] == [
+        "An offloaded MeanMetric was called (its `forward`), which runs in the caller's thread, not in the offload"
+        " worker: it returns the batch's value, so it waits for the updates queued before it and updates here, on"
+        " the CPU. HINT: to keep its work off the step, call `metric.update(...)` in the step instead, and log the"
+        " Metric object with `self.log(name, metric, on_step=False, on_epoch=True)`."
+    ]
+    lines, first = inspect.getsourcelines(MetricsModel.training_step)
+    line = first + next(i for i, text in enumerate(lines) if "self.step_mean(loss.detach())" in text)
+    assert (said[0].filename, said[0].lineno) == (__file__, line)

@@ -298,3 +298,45 @@ def test_a_logged_wrapper_shows_the_states_of_the_metrics_it_holds(quiet_trainer
     # 10 float32 predictions and 10 int64 targets, counted once: both inner Metrics keep the same tensors
     assert row.bytes == 10 * 4 + 10 * 8
     assert model.shared
+
+
+class _OneMetricForValidationAndTest(pl.LightningModule):
+    """As chemprop's ``metrics[0]``: one Metric object logged by validation and by test."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.auroc = torchmetrics.classification.BinaryAUROC(thresholds=None)
+        self.rows: dict[str, list] = {}
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.auroc.update(torch.sigmoid(self.layer(batch[0])).squeeze(1), (batch[0][:, 0] > 0).long())
+        self.log("auroc", self.auroc, on_step=False, on_epoch=True)
+
+    test_step = validation_step
+
+    def on_validation_batch_end(self, *args):
+        self.rows.setdefault("validation", []).append(storage_report(self.trainer))
+
+    def on_test_batch_end(self, *args):
+        self.rows.setdefault("test", []).append(storage_report(self.trainer))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_metric_logged_by_two_loops_is_counted_in_the_loop_that_runs(quiet_trainer_kwargs):
+    model = _OneMetricForValidationAndTest()
+    trainer = pl.Trainer(**quiet_trainer_kwargs, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(model, loader(n=8), loader(n=8, seed=1))
+    trainer.test(model, loader(n=12, seed=2), verbose=False)
+    during_validation = {row.loop: row for row in model.rows["validation"][-1]}
+    assert during_validation["fit_validation"].bytes == 8 * (4 + 8)  # 8 float32 predictions and int64 targets
+    during_test = {row.loop: row for row in model.rows["test"][-1]}
+    assert (during_test["test"].bytes, during_test["test"].device) == (12 * (4 + 8), "cpu")
+    # the fit's validation holds nothing now: the Metric's state is the test's
+    assert (during_test["fit_validation"].bytes, during_test["fit_validation"].device) == (0, "-")
+    assert during_test["fit_validation"].kind == "BinaryAUROC"

@@ -220,3 +220,23 @@ def test_a_fitted_trainer_pickles_with_its_values(store_on_cpu, quiet_trainer_kw
         if store_on_cpu:  # still stored on the CPU, with a buffer of its own for the values to come
             assert reloaded[key].value.is_cpu and len(reloaded[key]._buffer) == 0
             assert reloaded[key]._buffer is not result._buffer
+
+
+_HYDRA_INSTANTIATE = """
+def instantiate(target, **kwargs):
+    return target(**kwargs)
+"""
+
+
+def test_the_deprecation_points_at_the_users_line_when_a_launcher_builds_the_trainer(quiet_trainer_kwargs, tmp_path):
+    # Hydra's `instantiate` (its `_target_`), as in lightning-hydra-template's train.py
+    path = tmp_path / "hydra" / "_internal" / "instantiate" / "_instantiate2.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(_HYDRA_INSTANTIATE)
+    launcher = {"__name__": "hydra._internal.instantiate._instantiate2"}
+    exec(compile(_HYDRA_INSTANTIATE, str(path), "exec"), launcher)
+    with pytest.warns(StoreOnCPUDeprecationWarning) as record:
+        line = inspect.currentframe().f_lineno + 1
+        launcher["instantiate"](Trainer, move_metrics_to_cpu=True, **quiet_trainer_kwargs)
+    (warning,) = [w for w in record if issubclass(w.category, StoreOnCPUDeprecationWarning)]
+    assert (warning.filename, warning.lineno) == (__file__, line)

@@ -10,7 +10,7 @@ from torch.nn import Module
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
-from lightning_store._compat import _in_front_of, _remade
+from lightning_store._compat import _in_front_of, _in_torch_save, _plain_reduce, _remade
 from lightning_store._gather import DEFAULT_CHUNK_BYTES, _gather_elements, gather_on_device
 from lightning_store.metrics._states import _CPU, _collect, _CPUStates, _list_states, _settle
 
@@ -44,6 +44,7 @@ class _SettledReads(Metric):
     """
 
     _base_class: type  # the Metric's own class: see `_compat._in_front_of`
+    _kept_attributes: tuple[str, ...]  # what the front keeps on the instance, besides the Metric's own attributes
 
     def _settle_states(self) -> None:
         raise NotImplementedError
@@ -82,16 +83,37 @@ class _SettledReads(Metric):
         self._settle_states()
         return super().__getstate__()
 
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        state = self.__getstate__()
+        if _in_torch_save():
+            # a file (a checkpoint) holds the plain Metric: it loads where lightning-store is not installed, and the
+            # code that configured this one (the user's `__init__`, the flag at fit start) configures it again
+            return _plain_reduce(self._base_class, _plain_state(state, self._kept_attributes))
         # the class is made at run time: pickle makes it again from its front and the Metric's own class
-        return _remade, type(self).__bases__, self.__getstate__()
+        return _remade, type(self).__bases__, state
+
+
+def _plain_state(state: dict[str, Any], kept: tuple[str, ...]) -> dict[str, Any]:
+    """``state`` of a configured object without what its front keeps, with the settings it had before (plain)."""
+    plain = {name: value for name, value in state.items() if name not in kept}
+    plain.update(state.get(PLAIN_SETTINGS, {}))
+    return plain
+
+
+# where a configured Metric keeps the attributes that configuring it changed (`dist_sync_fn`...), as they were
+PLAIN_SETTINGS = "_plain_settings"
+
+
+def _remember_plain_settings(metric: Metric, *names: str) -> None:
+    """Keep the values of ``names`` that ``metric`` has now, before they are configured: see :func:`_plain_state`."""
+    metric.__dict__[PLAIN_SETTINGS] = {name: getattr(metric, name) for name in names}
 
 
 class _StatesOnCPU(_SettledReads):
     """Put in front of the class of a Metric given to ``store_states_on_cpu`` (see :func:`_class_for`)."""
 
     _cpu_states: _CPUStates
-    _kept_attribute = "_cpu_states"  # see `_compat._in_front_of`
+    _kept_attributes = ("_cpu_states", PLAIN_SETTINGS)  # see `_compat._in_front_of`
 
     def _settle_states(self) -> None:
         _settle(self)

@@ -9,12 +9,13 @@ from torch import Tensor
 from torch.nn import Module
 from torchmetrics import Metric
 
-from lightning_store._compat import _in_front_of, _remade
+from lightning_store._compat import _in_front_of, _in_torch_save, _plain_reduce, _remade
 from lightning_store._gather import gather_on_device
-from lightning_store.metrics._configured import _SettledReads, _sync_lists_on_device
+from lightning_store.metrics._configured import PLAIN_SETTINGS, _plain_state, _SettledReads, _sync_lists_on_device
 from lightning_store.metrics._inputs import _on_cpu_now
 from lightning_store.metrics._queue import _Queue
 from lightning_store.metrics._worker import _Inline, _runs_inline
+from lightning_store.warnings import _warn_once_outside
 
 _CPU = torch.device("cpu")
 # what a Metric's `update` writes besides its states (torchmetrics' wrapper), and a collection's `update`
@@ -62,6 +63,14 @@ def _offloading(metric: Metric, update: Callable) -> Callable:
 
 def _forward_inline(obj: Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
     """``forward`` in this thread, after the updates queued before it, on the inputs copied to the CPU now."""
+    name = type(obj).__name__
+    _warn_once_outside(
+        f"An offloaded {name} was called (its `forward`), which runs in the caller's thread, not in the offload"
+        " worker: it returns the batch's value, so it waits for the updates queued before it and updates here, on"
+        " the CPU. HINT: to keep its work off the step, call `metric.update(...)` in the step instead, and log"
+        " the Metric object with `self.log(name, metric, on_step=False, on_epoch=True)`.",
+        ("torch", "torchmetrics"),  # the user's `metric(...)` line
+    )
     _settle(obj)
     args, kwargs = _on_cpu_now(args, kwargs)
     with _Inline():
@@ -72,7 +81,7 @@ class _OffloadedMetric(_SettledReads):
     """Put in front of the class of a Metric given to ``offload_to_cpu`` (see :func:`_offloaded_class`)."""
 
     _offload: _Queue
-    _kept_attribute = "_offload"  # see `_compat._in_front_of`
+    _kept_attributes = ("_offload", PLAIN_SETTINGS)  # see `_compat._in_front_of`
 
     def _settle_states(self) -> None:
         _settle(self)
@@ -130,7 +139,7 @@ class _OffloadedContainer(Module):
     """Put in front of a ``MetricCollection`` or ``MetricTracker`` given to ``offload_to_cpu``: one update queued."""
 
     _offload: _Queue
-    _kept_attribute = "_offload"  # see `_compat._in_front_of`
+    _kept_attributes = ("_offload",)  # see `_compat._in_front_of`
     _base_class: type
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -166,9 +175,12 @@ class _OffloadedContainer(Module):
             return super().forward(*args, **kwargs)
         return _forward_inline(self, super().forward, args, kwargs)
 
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: Any) -> Any:
         _settle(self)
-        return _remade, type(self).__bases__, self.__getstate__()
+        state = self.__getstate__()
+        if _in_torch_save():  # a checkpoint: the plain collection, as `_SettledReads.__reduce_ex__`
+            return _plain_reduce(self._base_class, _plain_state(state, self._kept_attributes))
+        return _remade, type(self).__bases__, state
 
 
 _PROBED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)

@@ -9,7 +9,7 @@ from torchmetrics.wrappers import BootStrapper, MetricTracker
 
 from lightning_store._gather import _is_gather_on_device, gather_on_device
 from lightning_store._policy import _check_positive_int
-from lightning_store.metrics._configured import _settling, _StatesOnCPU
+from lightning_store.metrics._configured import _remember_plain_settings, _settling, _StatesOnCPU
 from lightning_store.metrics._in_process import _ProcessQueue
 from lightning_store.metrics._in_thread import _ThreadQueue
 from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of
@@ -123,6 +123,8 @@ def offload_to_cpu(
 
 
 def _configure(member: Module, queue: _Queue) -> None:
+    if isinstance(member, Metric):
+        _remember_plain_settings(member, "dist_sync_fn")  # what a checkpoint gets
     member.__dict__["_offload"] = queue
     member.__class__ = _offloaded_class(type(member))
     if isinstance(member, Metric):

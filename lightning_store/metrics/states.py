@@ -9,7 +9,13 @@ from torchmetrics.wrappers import MetricTracker
 
 from lightning_store._gather import DEFAULT_CHUNK_BYTES, _check_chunk_bytes, _is_gather_on_device, gather_on_device
 from lightning_store._policy import _type_name
-from lightning_store.metrics._configured import _class_for, _collecting, _settling, _StatesOnCPU
+from lightning_store.metrics._configured import (
+    _class_for,
+    _collecting,
+    _remember_plain_settings,
+    _settling,
+    _StatesOnCPU,
+)
 from lightning_store.metrics._offloaded import _is_offloaded
 from lightning_store.metrics._states import _collect, _CPUStates, _owns_list_states, _settle
 from lightning_store.warnings import _warn_once
@@ -59,6 +65,7 @@ def _configure(metric: Metric, states: _CPUStates, chunk_bytes: int) -> None:
             _settle(metric)
             metric._cpu_states = states
     else:
+        _remember_plain_settings(metric, "dist_sync_fn", "compute_on_cpu")  # what a checkpoint gets
         metric.compute_on_cpu = False  # superseded: its blocking copies after each update are not needed
         metric.__class__ = _class_for(type(metric))
         metric._cpu_states = states
@@ -99,9 +106,10 @@ def store_states_on_cpu(metric: _Configurable, *, chunk_bytes: int = DEFAULT_CHU
     ``Running``, ``MultioutputWrapper``...) and collections, nested at any depth, are searched: every Metric in
     ``metric`` that holds list states of its own is configured, together; the others are left as they are. Each
     is configured in place: its class becomes a subclass of its own class, which pickles, deep-copies, unpickles
-    in a fresh process, merges and scripts (TorchScript) like the Metric itself. Calling this again only sets
-    ``chunk_bytes``. A Metric given to :func:`~lightning_store.offload_to_cpu` is left as it is: all of its states
-    live on the CPU already.
+    in a fresh process, merges and scripts (TorchScript) like the Metric itself. ``torch.save`` (a checkpoint that
+    holds the Metric in its hyperparameters) writes the plain Metric, which loads without lightning-store.
+    Calling this again only sets ``chunk_bytes``. A Metric given to :func:`~lightning_store.offload_to_cpu` is
+    left as it is: all of its states live on the CPU already.
 
     Args:
         metric: a ``torchmetrics.Metric`` (a wrapper too), a ``MetricCollection`` (with compute groups, their
