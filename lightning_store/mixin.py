@@ -102,7 +102,8 @@ class StoreOnCPUMixin(_LogBase):
             store_on_cpu: keep the state Lightning accumulates for this key on the CPU. ``None`` takes
                 ``self.store_on_cpu_default``, then ``Trainer(move_metrics_to_cpu=...)``, then ``False``.
                 A ``torchmetrics.Metric`` is never moved: with ``store_on_cpu=True`` it is logged as usual, with
-                a :class:`~lightning_store.StoreOnCPUWarning`.
+                a :class:`~lightning_store.StoreOnCPUWarning`; under ``store_on_cpu_default = True``, one that
+                keeps list states on its device gets that warning once.
 
         Raises:
             TypeError: if ``store_on_cpu`` is not a bool or None.
@@ -208,17 +209,6 @@ class StoreOnCPUMixin(_LogBase):
         outcome is left to Lightning.
         """
         if not isinstance(value, Tensor) and isinstance(value, Metric):  # the plain check first: it is faster
-            if not warn_for_a_metric:  # `store_on_cpu_default = True`: said once, if the Metric keeps lists
-                if _keeps_list_states_on_its_device(value):
-                    _warn_once_outside(
-                        f"`{type(self).__name__}.store_on_cpu_default = True` stores on the CPU the tensors the"
-                        " module logs, not the states of the Metrics it logs: those stay where the Metric updates."
-                        f" {type(value).__name__} keeps what it gathers over an epoch (every prediction and target)"
-                        " in list states. HINT: to keep them on the CPU, configure the Metric once where it is"
-                        " made, `lightning_store.store_states_on_cpu(metric)`; then it is logged as before.",
-                        _LIGHTNING,  # the user's `self.log` or `self.log_dict` line
-                    )
-                return
             if warn_for_a_metric:
                 # `log_dict` hands each item to `self.log`: point at the user's `log_dict` line and name that call
                 # (stacklevel 4 is the caller of `log`; `log_dict` adds Lightning's `log_dict` and ours above it)
@@ -231,6 +221,15 @@ class StoreOnCPUMixin(_LogBase):
                     " are on the device) and its sync across processes (NCCL refuses CPU tensors)."
                     + _metric_hint(value),
                     stacklevel=6 if via_log_dict else 4,
+                )
+            elif _keeps_list_states_on_its_device(value):  # `store_on_cpu_default = True`: said once
+                _warn_once_outside(
+                    f"`{type(self).__name__}.store_on_cpu_default = True` stores on the CPU the tensors the module"
+                    " logs, not the states of the Metrics it logs: those stay where the Metric updates."
+                    f" {type(value).__name__} keeps what it gathers over an epoch (every prediction and target) in"
+                    " list states. HINT: to keep them on the CPU, configure the Metric once where it is made,"
+                    " `lightning_store.store_states_on_cpu(metric)`; then it is logged as before.",
+                    _LIGHTNING,  # the user's `self.log` or `self.log_dict` line
                 )
             return
         trainer = self._trainer

@@ -93,15 +93,15 @@ class _SettledReads(Metric):
         return _remade, type(self).__bases__, state
 
 
+# where a configured Metric keeps the attributes that configuring it changed (`dist_sync_fn`...), as they were
+PLAIN_SETTINGS = "_plain_settings"
+
+
 def _plain_state(state: dict[str, Any], kept: tuple[str, ...]) -> dict[str, Any]:
     """``state`` of a configured object without what its front keeps, with the settings it had before (plain)."""
     plain = {name: value for name, value in state.items() if name not in kept}
     plain.update(state.get(PLAIN_SETTINGS, {}))
     return plain
-
-
-# where a configured Metric keeps the attributes that configuring it changed (`dist_sync_fn`...), as they were
-PLAIN_SETTINGS = "_plain_settings"
 
 
 def _remember_plain_settings(metric: Metric, *names: str) -> None:
