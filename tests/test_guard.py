@@ -32,12 +32,27 @@ def _batches() -> list[Tensor]:
     return [torch.rand(size, generator=generator) for size in (4, 20, 20)]  # a small first batch draws nothing
 
 
+class _WaitsFor(SumMetric):
+    """Its ``update`` waits for ``gate``: offloaded, it holds the worker thread, which runs every Metric's updates."""
+
+    def __init__(self, gate: threading.Event):
+        super().__init__()
+        self.gate = gate
+
+    def update(self, value: Tensor) -> None:
+        self.gate.wait(timeout=60)
+        super().update(value)
+
+
 def test_a_draw_after_the_first_update_is_refused_before_it_moves_the_generator():
     metric = offload_to_cpu(Subsamples())
     torch.manual_seed(0)
     state = torch.get_rng_state()
+    gate = threading.Event()
+    offload_to_cpu(_WaitsFor(gate)).update(torch.tensor(0.0))  # every update below stays queued until the gate opens
     for batch in _batches():
         metric.update(batch)
+    gate.set()
     _get_worker().quiesce()
     assert torch.equal(torch.get_rng_state(), state)  # the worker drew nothing
     with pytest.raises(RuntimeError) as err:
