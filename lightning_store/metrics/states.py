@@ -112,13 +112,13 @@ def store_states_on_cpu(metric: _Configurable, *, chunk_bytes: int = DEFAULT_CHU
     left as it is: all of its states live on the CPU already.
 
     Args:
-        metric: a ``torchmetrics.Metric`` (a wrapper too), a ``MetricCollection`` (with compute groups, their
-            shared states stay shared) or a ``MetricTracker``. Metrics added to it later are not configured, but
+        metric (Metric | MetricCollection | MetricTracker): a ``torchmetrics.Metric`` (a wrapper too), a
+            ``MetricCollection`` (with compute groups, their shared states stay shared) or a ``MetricTracker``. Metrics added to it later are not configured, but
             the copies a ``MetricTracker`` makes of a configured Metric are.
         chunk_bytes: the most device memory a chunk of the gather takes, when processes sync.
 
     Returns:
-        ``metric`` itself.
+        Metric | MetricCollection | MetricTracker: ``metric`` itself.
 
     Raises:
         TypeError: if ``metric`` is not one of those (a class, say), or ``chunk_bytes`` is not an int.
