@@ -45,9 +45,8 @@ nitpick_ignore_regex = [
     (r"py:.*", rf"({_OTHERS}|collections|typing|datetime|pathlib)(\..*)?"),
     (
         r"py:.*",
-        r"Tensor|Metric|Module|LightningModule|Callable|Any|Iterable|Mapping|Sequence",
+        r"Tensor|Metric(Collection|Tracker)?|Module|LightningModule|Callable|Any|Iterable|Mapping|Sequence",
     ),
-    (r"py:.*", r"lightning_store\..*\._\w+"),  # private type variables in signatures
 ]
 
 html_theme = "furo"

@@ -25,4 +25,4 @@ __all__ = [
     "store_states_on_cpu",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

@@ -150,7 +150,9 @@ def gather_on_device(
 
     Example:
         >>> from torchmetrics.classification import BinaryAUROC
-        >>> metric = BinaryAUROC(thresholds=None, compute_on_cpu=True, dist_sync_fn=gather_on_device)
+        >>> metric = BinaryAUROC(
+        ...     thresholds=None, compute_on_cpu=True, dist_sync_fn=gather_on_device
+        ... )
 
     """
     _check_chunk_bytes(chunk_bytes)

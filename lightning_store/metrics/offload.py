@@ -25,59 +25,29 @@ _EXAMPLE = "`self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200))`"
 def offload_to_cpu(
     metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDING, worker: Literal["thread", "process"] = "thread"
 ) -> _Offloadable:
-    """Run ``metric``'s updates in a background thread on the CPU, where all of its states live.
+    """Run ``metric``'s updates on the CPU, in a background worker: a thread (the default) or a process.
 
-    ``update()`` returns at once: it starts copying its inputs to the CPU (on CUDA a non-blocking copy into pinned
-    memory, ordered after the work that produced them; on the CPU a copy) and queues the update, which a worker
-    thread runs with the Metric's own ``update``, in call order. Every read waits for the updates queued before it:
-    ``compute``, ``forward``, ``reset``, ``sync``, ``state_dict`` and ``load_state_dict``, ``metric_state``,
-    ``merge_state``, reading a state, pickling, ``deepcopy`` and ``clone``. ``forward`` returns the batch value, so
-    it runs in the caller's thread, after those updates, on inputs copied to the CPU at once (a host sync on CUDA):
-    log the Metric object with ``on_step=False`` and call ``update`` in the step to keep it off the step.
+    ``update()`` copies its inputs to the CPU, queues the update and returns; the worker runs the Metric's own
+    ``update``, in call order. Every state lives on the CPU. Every read (``compute``, ``reset``, ``state_dict``, a
+    state, pickling...) waits for the updates queued before it, and every value is, bit for bit, that of the same
+    Metric run plainly on the CPU. Under DDP, ``compute`` syncs with :func:`~lightning_store.gather_on_device`.
+    An update that fails in the worker raises again at the next call on the Metric.
 
-    Every value is, bit for bit, that of the same Metric run plainly on the CPU with the same inputs (on a GPU, not
-    that of the Metric run on the GPU). For that, each update runs in the worker as it would have run at its call:
-
-    - on its inputs with the layout the caller passed (strides, ``channels_last``, a view of a larger tensor), or,
-      for an input on a device, with the layout ``tensor.cpu()`` gives;
-    - with the caller's thread-local torch state: autocast (on every device type, with its dtype and cache), grad
-      and inference mode, the number of torch threads, subnormals flushed to zero or not;
-    - refusing, before it runs, an op that draws from a global torch generator (the CPU's, CUDA's), or one run
-      while torch's default dtype, a setting of the process, is not what it was at the call. A draw from Python's
-      or NumPy's global generator is found after the update, and tried again on a copy to tell it from a draw
-      of another thread. Either fails the update, as below.
-
-    The states stay on the CPU whatever ``.to()``, ``.cuda()`` or ``set_dtype`` does; dtype conversions follow
-    torchmetrics. Across processes, ``compute`` syncs as the plain Metric does, with
-    :func:`~lightning_store.gather_on_device` (on the collective's device under NCCL), after this process's queue
-    has run.
-
-    An update that raises in the worker raises again, with its type, the Metric's name and the update's number,
-    from the next call on the Metric; the updates queued behind it are not run (the error says how many), as the
-    calls after a raising ``update`` would not be. A warning it gives is given again at that next call, once, in
-    the caller's thread. ``BootStrapper``, which draws random numbers to resample every batch, is refused at once.
-
-    One worker thread runs the updates of every offloaded Metric of the process. It uses torch's intra-op threads
-    (``torch.set_num_threads``) as the training loop does, and shares the cores with DataLoader workers: offload pays
-    where a core is free for it. A fork (DataLoader workers) first waits for the queued updates; at exit, those not
-    run are dropped.
-
-    With ``worker="process"``, a worker process runs them instead, on a copy of ``metric``: it shares neither the
-    training thread's interpreter lock nor its memory, which pays where the step itself runs Python (launching a
-    GPU's kernels) or the Metric does (text Metrics). Its inputs go through shared memory; a read here first copies
-    the states back, and the next update sends the object again. It starts as DataLoader workers do with the
-    ``spawn`` method: a script's code under ``if __name__ == "__main__":``, the Metric's class importable.
+    A worker thread helps when the training step spends its time in tensor ops. When the step mostly runs Python
+    (as when it launches GPU kernels), or the Metric does (text Metrics), use ``worker="process"``. Which to use,
+    what is carried into the worker, and the refusals: :doc:`the guide </guides/offload-to-cpu>`.
 
     Args:
-        metric: a ``torchmetrics.Metric`` (a wrapper too), ``MetricCollection`` or ``MetricTracker``, configured in
-            place with every Metric it holds, which share its queue.
+        metric (Metric | MetricCollection | MetricTracker): a ``torchmetrics.Metric`` (a wrapper too), a
+            ``MetricCollection`` or a ``MetricTracker``, configured in place with every Metric it holds, which
+            share its queue.
         max_pending: the most updates that wait for the worker; one more waits in ``update`` until one has run. Each
             holds a copy of its inputs in host memory.
         worker: ``"thread"``, a thread of this process, or ``"process"``, a process of its own, which runs the
             updates of every Metric offloaded to it.
 
     Returns:
-        ``metric`` itself.
+        Metric | MetricCollection | MetricTracker: ``metric`` itself.
 
     Raises:
         TypeError: if ``metric`` is not one of those (a class, say), ``max_pending`` is not an int, or

@@ -79,46 +79,27 @@ def store_states_on_cpu(metric: _Configurable, *, chunk_bytes: int = DEFAULT_CHU
     """Keep the list states of ``metric`` on the CPU, without a host sync per update; sync them on the device.
 
     List states are what grows over an epoch: every prediction and target of ``BinaryAUROC(thresholds=None)``,
-    ``BinaryAveragePrecision(thresholds=None)``, ``SpearmanCorrCoef``, the retrieval metrics or ``CatMetric``, and
-    the lists kept one element per item (a sentence, an image's boxes) of ``ROUGEScore`` or a Metric of your own.
-    After each ``update`` (and ``forward``), the elements it added are copied to the CPU through the same
-    non-blocking buffer as ``self.log(..., store_on_cpu=True)`` (pinned memory, a side stream, events on CUDA) and
-    replace the device tensors in place, in order. Every read (``compute``, ``sync``, ``state_dict``, pickling,
-    ``merge_state``, ``metric_state``, a dtype conversion, a ``forward`` that may read the whole state) first
-    completes the copies in flight. Tensor states (sums, counts, maxima) are a few bytes: they stay where the
-    Metric computes.
+    ``CatMetric`` or the retrieval metrics, and the lists kept one element per item (``ROUGEScore``). After each
+    ``update``, what it added is copied to the CPU through the same non-blocking buffer as
+    ``self.log(..., store_on_cpu=True)``; every read first completes the copies in flight. Tensor states (sums,
+    counts) stay where the Metric computes. ``compute`` runs on the CPU, as with ``compute_on_cpu=True``, which
+    this supersedes. On the CPU, every value is bit for bit that of the Metric unconfigured.
 
-    Nothing moves the list states back: not ``.to(device)`` or ``.cuda()`` on the Metric or its module, not the
-    ``.to(value.device)`` that Lightning runs on every ``self.log``, not Lightning's teardown. A dtype conversion
-    (``.to(torch.float64)``, ``set_dtype``...) converts them as torchmetrics does, on the CPU. The Metric's
-    ``.device`` stays the device its inputs come from. ``compute`` runs on the CPU, as with ``compute_on_cpu=True``,
-    which this supersedes.
-
-    Across processes, the list states are gathered on ``torch.cuda.current_device()`` under NCCL (on the CPU under
-    gloo), in chunks of at most ``chunk_bytes``, and the result comes back to the CPU. A list reduced by
-    ``dim_zero_cat`` is joined and gathered by :func:`gather_on_device`, the Metric's ``dist_sync_fn``. A list of
-    no reduction (or of your own) keeps one element per item: torchmetrics gathers it element by element, this in
-    two gathers whatever its length, each element keeping its shape and dtype, in torchmetrics' order (the first
-    element of every process in rank order, then the second...). Processes with different numbers of elements,
-    which torchmetrics cannot sync, sync in that order too, a process adding none past its last.
-
-    Wrappers (``ClasswiseWrapper``, ``BootStrapper``, ``MultitaskWrapper``, ``MetricTracker``, ``MinMaxMetric``,
-    ``Running``, ``MultioutputWrapper``...) and collections, nested at any depth, are searched: every Metric in
-    ``metric`` that holds list states of its own is configured, together; the others are left as they are. Each
-    is configured in place: its class becomes a subclass of its own class, which pickles, deep-copies, unpickles
-    in a fresh process, merges and scripts (TorchScript) like the Metric itself. ``torch.save`` (a checkpoint that
-    holds the Metric in its hyperparameters) writes the plain Metric, which loads without lightning-store.
-    Calling this again only sets ``chunk_bytes``. A Metric given to :func:`~lightning_store.offload_to_cpu` is
-    left as it is: all of its states live on the CPU already.
+    Across processes, the list states are gathered on the collective's device by :func:`gather_on_device`, in
+    chunks of at most ``chunk_bytes``. Wrappers and collections, nested at any depth, are searched: every Metric in
+    ``metric`` that holds list states is configured in place. Calling this again only sets ``chunk_bytes``. What
+    moves the states, how they sync, and what works with the configured Metric:
+    :doc:`the guide </guides/store-states-on-cpu>`.
 
     Args:
-        metric: a ``torchmetrics.Metric`` (a wrapper too), a ``MetricCollection`` (with compute groups, their
-            shared states stay shared) or a ``MetricTracker``. Metrics added to it later are not configured, but
-            the copies a ``MetricTracker`` makes of a configured Metric are.
+        metric (Metric | MetricCollection | MetricTracker): a ``torchmetrics.Metric`` (a wrapper too), a
+            ``MetricCollection`` (with compute groups, their shared states stay shared) or a ``MetricTracker``.
+            Metrics added to it later are not configured, but the copies a ``MetricTracker`` makes of a configured
+            Metric are.
         chunk_bytes: the most device memory a chunk of the gather takes, when processes sync.
 
     Returns:
-        ``metric`` itself.
+        Metric | MetricCollection | MetricTracker: ``metric`` itself.
 
     Raises:
         TypeError: if ``metric`` is not one of those (a class, say), or ``chunk_bytes`` is not an int.
