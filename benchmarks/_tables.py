@@ -27,13 +27,17 @@ def add_docs_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-docs", action="store_true", help=f"print only; do not write the table under {RESULTS}")
 
 
-def publish(name: str, lines: Sequence[str], notes: Sequence[str] = (), *, write: bool = True) -> Path | None:
+def publish(
+    name: str, lines: Sequence[str], notes: Sequence[str] = (), *, goals: Sequence[str] = (), write: bool = True
+) -> Path | None:
     """Print ``lines`` (a markdown table, with any line above it) and ``notes``; write them to ``RESULTS/name.md``.
 
     Args:
         name: the file's name, without ``.md``.
         lines: what the benchmark measured, in markdown.
-        notes: lines printed and written under it, as a list (the goals and whether they were met, say).
+        notes: lines printed and written under it, as a list (what else it measured, say).
+        goals: the project's goals and whether this run met them (CONTRIBUTING.md): printed, not written, since
+            the docs tell a user what a run measured, not how the project judges it.
         write: whether to write the file (``False`` for a check of the script itself).
 
     Returns:
@@ -43,6 +47,8 @@ def publish(name: str, lines: Sequence[str], notes: Sequence[str] = (), *, write
     if notes:
         body += "\n\n" + "\n".join(f"- {note}" for note in notes)
     print(body, flush=True)
+    if goals:
+        print("\ngoals (printed only):\n" + "\n".join(f"- {goal}" for goal in goals), flush=True)
     if not write:
         return None
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -127,7 +127,7 @@ def main() -> None:
         "| module, Trainer | per call (median over rounds) | ratio, median (IQR) |",
         "| --- | --- | --- |",
     ]
-    notes = []
+    goals = []
     for way in WAYS:
         ratios = [ns / base for ns, base in zip(per_call[way], per_call[BASELINE], strict=True)]
         q1, ratio, q3 = quartiles(ratios)
@@ -136,10 +136,10 @@ def main() -> None:
         )
         if way in GOALS:
             met = "met" if ratio <= GOALS[way] else "not met"
-            notes.append(f"{NAMES[way]}: {ratio:.3f}, goal at most {GOALS[way]}: {met}")
+            goals.append(f"{NAMES[way]}: {ratio:.3f}, goal at most {GOALS[way]}: {met}")
     flag = statistics.median(per_call[WAYS[2]]) / statistics.median(per_call[REFERENCE])
-    notes.append(f"the flag against the mixin's `store_on_cpu=True`: {flag:.3f}")
-    publish("flag_log_overhead", lines, notes, write=not args.no_docs)
+    notes = [f"the flag against the mixin's `store_on_cpu=True`: {flag:.3f}"]
+    publish("flag_log_overhead", lines, notes, goals=goals, write=not args.no_docs)
 
 
 if __name__ == "__main__":
