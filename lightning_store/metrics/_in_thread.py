@@ -83,7 +83,7 @@ class _ThreadQueue(_Queue):
         try:
             with _as_at_the_call(job.state) as kept:
                 inputs = job.run()
-        except Exception as error:
+        except BaseException as error:  # `SystemExit`, pytest's `Failed` too: the worker thread must go on
             self.failure = _Failure(error, job.number)
         what = f"update #{job.number}" if job.number is not None else "collection's copy of its states"
         self.warnings.extend((what, message) for message in kept)

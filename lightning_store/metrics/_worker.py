@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from lightning_store.metrics._queue import _Failure
 from lightning_store.metrics._warnings import _install, _uninstall
 
 _local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
@@ -87,6 +88,9 @@ class _Worker:
                 self.busy = True
             try:
                 job.queue.run(job)
+            except BaseException as error:  # in the queue's own steps: kept for the caller, and this thread goes on
+                if job.queue.failure is None:
+                    job.queue.failure = _Failure(error, job.number)
             finally:
                 with self.lock:
                     self.busy = False

@@ -10,6 +10,7 @@ from torchmetrics.wrappers import BootStrapper, MetricTracker
 from lightning_store._gather import _is_gather_on_device, gather_on_device
 from lightning_store._policy import _check_positive_int
 from lightning_store.metrics._configured import _settling, _StatesOnCPU
+from lightning_store.metrics._ended import _main_defines
 from lightning_store.metrics._in_process import _ProcessQueue
 from lightning_store.metrics._in_thread import _ThreadQueue
 from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of
@@ -143,6 +144,14 @@ def _check_worker(worker: Any) -> None:
 
 
 def _check_pickles(metric: Module) -> None:
+    in_main = _main_defines(metric)
+    if in_main is not None:
+        raise TypeError(
+            f"offload_to_cpu(worker='process') got a {type(metric).__name__} whose class {in_main} is defined in"
+            " `__main__` of a program run with `python -c`, from stdin or in a notebook: the worker process cannot"
+            " import it. HINT: pass worker='thread' (the default), which works there, or define the class in a"
+            " module the worker process can import."
+        )
     try:
         pickle.dumps(metric)
     except Exception as error:
