@@ -62,15 +62,19 @@ class _ProcessWorker:
     def _dropped(self, queue_id: int) -> None:
         # a finalizer may run in the middle of a message: the worker process hears of it with the next one
         self.to_drop.append(queue_id)
-        if not self.queues and self.process is not None and not self.stopping:
+        if not self._in_use() and self.process is not None and not self.stopping:
             timer = threading.Timer(_IDLE_S, self._end_if_unused)
             timer.daemon = True
             timer.start()
 
+    def _in_use(self) -> bool:
+        # the queue whose finalizer runs may still be in `queues`, dead: only the live ones count
+        return any(True for _ in self.queues.values())
+
     def _end_if_unused(self) -> None:
         """End the worker process if no offloaded object is left to use it (its memory goes back)."""
         with self.lock:
-            if self.queues or self.conn is None or self.stopping:
+            if self._in_use() or self.conn is None or self.stopping:
                 return
             with contextlib.suppress(OSError, ValueError):
                 self.conn.send(("stop",))
@@ -179,8 +183,9 @@ class _ProcessWorker:
         try:
             arena, self.capped = _Arena(max(nbytes, 16 * 2**20)), False
         except _NoRoom:
-            if self.arena is not None and self.arena.size >= needed:
-                raise
+            if self.arena is not None and self.arena.size >= needed:  # the one there is will do
+                self.capped = True
+                return
             arena, self.capped = _Arena(needed), True  # else it raises, naming /dev/shm, its size and the fix
         old, self.arena = self.arena, arena
         if old is not None and old not in self.in_flight:
