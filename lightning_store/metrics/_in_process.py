@@ -83,7 +83,13 @@ class _ProcessQueue(_Queue):
             if self.lost is not None:  # lost while it waited
                 self.report()
             head = ("update", self.id, self.queued + 1, path)
+            generation = _process_worker._worker.generation
             _process_worker._worker.queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
+            if _process_worker._worker.generation != generation:  # the worker process ended while it waited
+                if self.lost is not None:
+                    _process_worker._worker.unqueue_last()
+                    self.report()
+                self._send_root()  # nothing of it was lost: the new worker process gets it before the update
             self.pending += 1
             self.queued += 1
             self.ahead_there = True
@@ -200,7 +206,7 @@ class _ProcessQueue(_Queue):
             ) from error
         for _ in range(2):  # once more, to a new worker process, if this one ended before it got it
             generation = worker.generation
-            worker.send(("replace", self.id, payload))
+            worker.send(("replace", self.id, payload), start=True)
             if worker.generation == generation:
                 self.sent = True
                 return

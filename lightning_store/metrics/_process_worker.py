@@ -95,10 +95,16 @@ class _ProcessWorker:
         theirs.close()
         _register_process_hooks()
 
-    def send(self, message: tuple) -> None:
-        self.send_bytes(pickle.dumps(message))
+    def send(self, message: tuple, start: bool = False) -> None:
+        self.send_bytes(pickle.dumps(message), start)
 
-    def send_bytes(self, payload: bytes) -> None:
+    def send_bytes(self, payload: bytes, start: bool = False) -> None:
+        """Send ``payload``; with ``start`` (an object's copy), to a new worker process if there is none.
+
+        Any other message meant for a worker process that ended is dropped: what it was about is said lost.
+        """
+        if self.conn is None and not start:
+            return
         if self.conn is None:
             self.start()
         try:
@@ -143,6 +149,14 @@ class _ProcessWorker:
         self.in_flight.append(arena)
         self.outbox.append((head, outgoing, state, arena, inputs))
 
+    def unqueue_last(self) -> None:
+        """Take back the update last queued, not sent (its object was lost while it waited for space)."""
+        _, outgoing, _, arena, _ = self.outbox.pop()
+        self.in_flight.pop()
+        if arena is not None:
+            arena.untake()
+        outgoing.release()
+
     def send_call(self, message: tuple) -> None:
         self.flush()  # after every update queued before it
         self.send(message)
@@ -166,17 +180,18 @@ class _ProcessWorker:
                 return
 
     def _space(self, nbytes: int) -> tuple[_Arena, int]:
-        grown = self.arena is not None and self.capped and nbytes <= self.arena.size  # as large as /dev/shm allows
-        if self.arena is None or (nbytes > self.arena.size // 2 and not grown):
-            self._new_arena(max(nbytes * 4, self.arena.size * 2 if self.arena else 0), nbytes)
-        assert self.arena is not None
-        while (offset := self.arena.take(nbytes)) is None:
+        while True:  # the worker process may end while this waits: its arenas go, and a new one is made
+            grown = self.arena is not None and self.capped and nbytes <= self.arena.size  # as /dev/shm allows
+            if self.arena is None or (nbytes > self.arena.size // 2 and not grown):
+                self._new_arena(max(nbytes * 4, self.arena.size * 2 if self.arena else 0), nbytes)
+            assert self.arena is not None
+            if (offset := self.arena.take(nbytes)) is not None:
+                return self.arena, offset
             if not self.in_flight:  # nothing will give space back: a larger arena
                 self._new_arena(self.arena.size * 2, nbytes)
                 continue
             self.flush()
             self.receive()
-        return self.arena, offset
 
     def _new_arena(self, nbytes: int, needed: int) -> None:
         """A new arena of ``nbytes`` (at least 16 MiB), else of the ``needed`` bytes that /dev/shm has room for."""
