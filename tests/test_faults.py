@@ -170,7 +170,7 @@ def test_too_little_room_in_dev_shm_is_said_before_a_write_there_and_the_metric_
         _arena._room = lambda: (12 * 2**20, 64 * 2**20)  # room for one update's inputs, not for 4
         for value in range(3):
             metric.update(torch.full((2**20,), float(value)))
-        print(metric.compute().sum().item(), _process_worker._worker.arena.size)
+        print(metric.compute().sum().item(), _process_worker._worker.space.arena.size)
         """)
     )
     assert out[0].startswith(

@@ -12,9 +12,10 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from lightning_store.metrics import _pickling
-from lightning_store.metrics._arena import _Arena, _NoRoom
+from lightning_store.metrics._arena import _Arena
 from lightning_store.metrics._ended import _check_main_runs_again, _why_ended
 from lightning_store.metrics._inputs_shared import _Outgoing
+from lightning_store.metrics._space import _Space
 from lightning_store.metrics._thread_state import _CallerState
 
 if TYPE_CHECKING:
@@ -31,6 +32,12 @@ class _ProcessWorker:
     tensors in a shared arena), a call (``call``), a read (``pull``). The worker process answers updates and calls
     (``done``) and reads (``states``) in the same order; they are taken here whenever this process waits for one,
     or queues an update. An update with inputs on a device is sent once their copies have landed, in order.
+
+    Liveness, as torch's DataLoader: a wait for an answer is timed and looks whether the worker process lives, and
+    the worker process watches this one (``_child``). A worker process that ended is said with its exit code or
+    signal and the last exception it sent (``_ended``); an object with nothing there that is not here is sent to a
+    new one, any other is lost, and its reads say so until ``reset()``. Once no offloaded object is left, the worker
+    process ends; at exit, it is told to stop.
     """
 
     def __init__(self) -> None:
@@ -39,9 +46,7 @@ class _ProcessWorker:
         self.process: Any = None
         self.queues: weakref.WeakValueDictionary[int, _ProcessQueue] = weakref.WeakValueDictionary()
         self.ids = 0
-        self.arena: _Arena | None = None
-        # the arena of each update sent and not answered, oldest first (None: its inputs went with the message)
-        self.in_flight: deque[_Arena | None] = deque()
+        self.space = _Space(self._forget)  # the arenas of the updates' inputs
         self.outbox: deque[tuple[tuple, _Outgoing, _CallerState, _Arena | None, bytes]] = deque()  # to send, in order
         self.filters: tuple = ()  # the warnings filters the worker process has
         self.state: _CallerState | None = None  # the caller's torch state the worker process has
@@ -51,7 +56,6 @@ class _ProcessWorker:
         self.ready = False  # whether the worker process started (it said so)
         self.fatal: tuple | None = None  # the error that ended it, as it sent it
         self.generation = 0  # counts the worker processes lost: a message sent to a lost one is sent again
-        self.capped = False  # whether the arena is as large as /dev/shm allows, not as large as wanted
 
     def new_id(self, queue: "_ProcessQueue") -> int:
         self.ids += 1
@@ -128,7 +132,7 @@ class _ProcessWorker:
         """
         arena: _Arena | None = None
         if outgoing.nbytes:
-            arena, offset = self._space(outgoing.nbytes)
+            arena, offset = self.space.take(outgoing.nbytes, self._wait_for_answer)
             outgoing.place(arena, offset)
         try:
             inputs = (
@@ -146,15 +150,13 @@ class _ProcessWorker:
                 " tensors, numbers, strings, and lists, tuples or dicts of them (not a generator, a lambda or an"
                 " open file), or pass worker='thread' to offload_to_cpu."
             ) from error
-        self.in_flight.append(arena)
+        self.space.sent(arena)
         self.outbox.append((head, outgoing, state, arena, inputs))
 
     def unqueue_last(self) -> None:
         """Take back the update last queued, not sent (its object was lost while it waited for space)."""
-        _, outgoing, _, arena, _ = self.outbox.pop()
-        self.in_flight.pop()
-        if arena is not None:
-            arena.untake()
+        _, outgoing, _, _, _ = self.outbox.pop()
+        self.space.unsent()
         outgoing.release()
 
     def send_call(self, message: tuple) -> None:
@@ -179,34 +181,9 @@ class _ProcessWorker:
             if self.conn is None:  # the worker process was lost: the updates left are too
                 return
 
-    def _space(self, nbytes: int) -> tuple[_Arena, int]:
-        while True:  # the worker process may end while this waits: its arenas go, and a new one is made
-            grown = self.arena is not None and self.capped and nbytes <= self.arena.size  # as /dev/shm allows
-            if self.arena is None or (nbytes > self.arena.size // 2 and not grown):
-                self._new_arena(max(nbytes * 4, self.arena.size * 2 if self.arena else 0), nbytes)
-            assert self.arena is not None
-            if (offset := self.arena.take(nbytes)) is not None:
-                return self.arena, offset
-            if not self.in_flight:  # nothing will give space back: a larger arena
-                self._new_arena(self.arena.size * 2, nbytes)
-                continue
-            self.flush()
-            self.receive()
-
-    def _new_arena(self, nbytes: int, needed: int) -> None:
-        """A new arena of ``nbytes`` (at least 16 MiB), else of the ``needed`` bytes that /dev/shm has room for."""
-        try:
-            arena, self.capped = _Arena(max(nbytes, 16 * 2**20)), False
-        except _NoRoom:
-            if self.arena is not None and self.arena.size >= needed:  # the one there is will do
-                self.capped = True
-                return
-            arena, self.capped = _Arena(needed), True  # else it raises, naming /dev/shm, its size and the fix
-        old, self.arena = self.arena, arena
-        if old is not None and old not in self.in_flight:
-            self._forget(old)
-        elif old is not None:
-            old.retired = True
+    def _wait_for_answer(self) -> None:
+        self.flush()
+        self.receive()
 
     def _forget(self, arena: _Arena) -> None:
         self.send(("forget", arena.name))
@@ -242,11 +219,7 @@ class _ProcessWorker:
             return
         _, queue_id, number, error, kept, drawn, discarded, spent = message
         if spent:
-            arena = self.in_flight.popleft()
-            if arena is not None:
-                arena.give_back()
-                if arena.retired and not arena.spans:
-                    self._forget(arena)
+            self.space.answered()
         queue = self.queues.get(queue_id)
         if queue is not None:
             queue.on_done(number, error, kept, drawn, discarded)
@@ -296,12 +269,11 @@ class _ProcessWorker:
         """Start afresh at the next message: no worker process, no arena, nothing sent."""
         for _, outgoing, _, _, _ in self.outbox:
             outgoing.release()
-        for arena in {*self.in_flight, self.arena} - {None}:
-            arena.close(unlink=True)  # type: ignore[union-attr]
+        self.space.close()
         if self.conn is not None:
             with contextlib.suppress(OSError):
                 self.conn.close()
-        self.conn, self.process, self.in_flight, self.outbox, self.arena = None, None, deque(), deque(), None
+        self.conn, self.process, self.outbox = None, None, deque()
         self.filters, self.state, self.ready, self.fatal, self.pulled = (), None, False, None, {}
         self.generation += 1
 
@@ -317,9 +289,7 @@ class _ProcessWorker:
             self.process.join(2)
             if self.process.is_alive():
                 self.process.terminate()
-        for arena in {*self.in_flight, *(item[3] for item in self.outbox), self.arena} - {None}:
-            arena.close(unlink=True)  # type: ignore[union-attr]
-        self.arena = None
+        self.space.close()  # the outbox's arenas are in flight
 
 
 _worker = _ProcessWorker()
