@@ -393,3 +393,47 @@ def test_the_worker_process_ends_once_no_offloaded_object_is_left(run):
         """)
     )
     assert out == ["2.0", "False None", "3.0"]
+
+
+def test_a_script_without_the_main_guard_is_told_so_and_only_then(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        PRELUDE
+        + textwrap.dedent("""
+        metric = offload_to_cpu(SumMetric(), worker="process")
+        metric.update(torch.ones(2))
+        try:
+            metric.compute()
+        except RuntimeError as error:
+            print(error)
+        """)
+    )
+    out = _bounded([sys.executable, str(script)], cwd=tmp_path)
+    assert out.stdout.startswith(
+        "SumMetric: lightning-store's offload worker process ended before it started (exit code 1). It starts as"
+        " DataLoader workers do with the `spawn` method, importing this program's `__main__` module again."
+    ), out.stderr[-3000:]
+    assert "HINT: a script that offloads a Metric guards its code with `if __name__ == '__main__':`" in out.stdout
+
+
+def test_the_worker_process_ends_soon_after_its_parent_though_another_process_keeps_the_pipe_open(run):
+    result = run("""
+        import subprocess
+        metric = offload_to_cpu(SumMetric(), worker="process")
+        metric.update(torch.ones(2))
+        metric.compute()
+        holder = subprocess.Popen(  # a process started with this one's end of the pipe, which it keeps open
+            ["sleep", "90"],
+            pass_fds=[_process_worker._worker.conn.fileno()],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        print(holder.pid, time.time(), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """)
+    ended = time.time()  # the worker process held this run's output: it has ended
+    holder, killed = result.stdout.split()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int(holder), signal.SIGKILL)
+    assert result.returncode == -signal.SIGKILL
+    assert ended - float(killed) < 45  # it watches its parent every 5 s; before, it waited for the pipe's end (90 s)
