@@ -437,3 +437,20 @@ def test_the_worker_process_ends_soon_after_its_parent_though_another_process_ke
         os.kill(int(holder), signal.SIGKILL)
     assert result.returncode == -signal.SIGKILL
     assert ended - float(killed) < 45  # it watches its parent every 5 s; before, it waited for the pipe's end (90 s)
+
+
+def test_a_wait_for_a_worker_thread_that_ended_raises_rather_than_hangs(run):
+    out = _out(
+        run("""
+        from lightning_store.metrics import _worker
+        _worker._Worker.liveness_s = 0.2
+        _worker._Worker._loop = lambda self: None  # a thread that ends at once, as if by a bug
+        metric = offload_to_cpu(SumMetric())
+        metric.update(torch.ones(2))
+        try:
+            metric.compute()
+        except RuntimeError as error:
+            print(error)
+        """)
+    )
+    assert out[0].startswith("lightning-store's offload worker thread ended with 1 job(s) not run")

@@ -65,7 +65,7 @@ class _ThreadQueue(_Queue):
             return
         state = _CallerState()
         with worker.lock:
-            waited = _wait_for_room(self, worker.changed.wait)
+            waited = _wait_for_room(self, worker.wait)
             self.pending += 1
             if obj is not None:
                 self.queued += 1
@@ -102,7 +102,7 @@ class _ThreadQueue(_Queue):
             worker = _get_worker()
             with worker.lock:
                 while self.pending:
-                    worker.changed.wait()
+                    worker.wait()
 
     def _report_more(self) -> None:
         if self.suspect is not None:
