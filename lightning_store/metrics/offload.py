@@ -82,7 +82,8 @@ def offload_to_cpu(
 
     Raises:
         TypeError: if ``metric`` is not one of those (a class, say), ``max_pending`` is not an int, or
-            ``worker="process"`` gets a Metric that cannot be pickled.
+            ``worker="process"`` gets a Metric that cannot be pickled, or whose class a worker process cannot import
+            (defined in ``__main__`` of ``python -c``, stdin or a notebook).
         ValueError: if ``max_pending`` is not positive, ``worker`` is neither, or ``metric`` cannot be offloaded (a
             ``BootStrapper``, one with a ``dist_sync_fn`` of its own, one given to ``store_states_on_cpu``, or one
             offloaded already to the other worker).
