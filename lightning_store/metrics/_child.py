@@ -145,8 +145,11 @@ class _Worker:
     ) -> None:
         error, kept, drawn = None, [], []
         # an object that could not be made here (the parent was told) or whose update failed: its updates not run
-        discarded = object_id in self.failed or object_id not in self.objects
-        if not discarded:
+        discarded = object_id in self.failed or object_id in self.broken
+        if object_id not in self.objects and not discarded:  # never sent here: said, not dropped in silence
+            error = _error_info(RuntimeError("the worker process holds no copy of the Metric (a lightning-store bug)"))
+            self.failed.add(object_id)
+        elif not discarded:
             target = self.objects[object_id].get_submodule(path) if path else self.objects[object_id]
             error, kept, drawn = _run_one(target, method, inputs, state, call_args, self.arenas)
             if error is not None or drawn:
