@@ -1,6 +1,8 @@
 """Shared memory for the inputs sent to the worker process: one segment used as a ring, each update's at its head."""
 
 import contextlib
+import errno
+import os
 from collections import deque
 from multiprocessing import shared_memory
 
@@ -10,6 +12,7 @@ from torch import Tensor
 from lightning_store.metrics._layout import ALIGNMENT
 
 _INITIAL_BYTES = 16 * 2**20
+_SHM = "/dev/shm"  # where POSIX shared memory lies on Linux: a tmpfs, 64 MB in a Docker container by default
 
 
 def _aligned(nbytes: int) -> int:
@@ -31,7 +34,11 @@ class _Arena:
         parent unlinks it (or the tracker does, if the parent dies), never the worker.
         """
         if name is None:
+            room = _room()
+            if room is not None and room[0] < nbytes:
+                raise _NoRoom(nbytes, room)
             self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+            _reserve(self.shm, room)
         else:
             self.shm = shared_memory.SharedMemory(name=name)
         self.size = self.shm.size
@@ -64,6 +71,10 @@ class _Arena:
         self.head = start + nbytes
         return start
 
+    def untake(self) -> None:
+        """Give back the space last taken (its update was not sent)."""
+        self.head = self.spans.pop()[0]
+
     def give_back(self) -> None:
         """Give back the oldest update's space (the worker has run it)."""
         self.spans.popleft()
@@ -79,3 +90,49 @@ class _Arena:
             self.shm.close()
         if unlink:
             self.shm.unlink()
+
+
+class _NoRoom(RuntimeError):
+    """Too little room in ``/dev/shm`` for an arena: said before a write there would end the process (a Bus error)."""
+
+    def __init__(self, nbytes: int, room: tuple[int, int] | None) -> None:
+        free, total = room if room is not None else (0, 0)
+        super().__init__(
+            f"lightning-store's offload worker process takes an update's inputs through shared memory, in {_SHM},"
+            f" which has {_mib(free)} free of {_mib(total)}: too little for the {_mib(nbytes)} these inputs need"
+            " (written there, they would end this process with a Bus error). HINT: give the container more shared"
+            " memory (`docker run --shm-size=8g`, or a memory-backed volume on /dev/shm), pass smaller batches, or"
+            " pass worker='thread' to offload_to_cpu, which needs no shared memory."
+        )
+
+
+def _room() -> tuple[int, int] | None:
+    """The bytes free and in all in ``/dev/shm``, or ``None`` where there is none (not Linux)."""
+    try:
+        stat = os.statvfs(_SHM)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+
+
+def _reserve(shm: shared_memory.SharedMemory, room: tuple[int, int] | None) -> None:
+    """Take the segment's pages in ``/dev/shm`` now, so that no write into it can fail (another process took room)."""
+    path = os.path.join(_SHM, shm.name.lstrip("/"))
+    if room is None or not hasattr(os, "posix_fallocate") or not os.path.exists(path):
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, shm.size)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.ENOMEM):
+            return  # a file system that cannot reserve: written as it comes
+        with contextlib.suppress(BufferError):
+            shm.close()
+        shm.unlink()
+        raise _NoRoom(shm.size, _room()) from error
+    finally:
+        os.close(fd)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"

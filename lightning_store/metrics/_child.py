@@ -1,7 +1,9 @@
 """The worker process: a copy of each object offloaded to it, whose updates it runs in order; it sends their states."""
 
+import os
 import pickle
 import queue
+import signal
 import threading
 import traceback
 import warnings
@@ -18,6 +20,7 @@ from lightning_store.metrics._worker import _Inline
 
 _MODULE_OWN = frozenset(vars(Module())) | {"_offload", "_defaults", "_persistent", "_reductions"}
 _KEPT_WARNINGS = 20  # at most, by update: the rest are dropped (the answer stays small)
+_WATCH_S = 5.0  # how often, while no message comes, the worker process looks whether its parent is still there
 
 
 class _Arenas(dict):
@@ -29,10 +32,23 @@ class _Arenas(dict):
 
 
 def _serve(conn: Any) -> None:
-    """Run until the parent says stop, or goes away."""
+    """Run until the parent says stop, or goes away; an error that ends it is sent to the parent first.
+
+    Ctrl-C in a terminal interrupts the whole process group: the parent hears it, and this process, which the parent
+    stops or leaves, ignores it (no second traceback).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
-    with _Inline():  # the offloaded objects here run their own methods
-        _Worker(conn).run()
+    worker = _Worker(conn)
+    worker.outbox.put(("ready",))
+    try:
+        with _Inline():  # the offloaded objects here run their own methods
+            worker.run()
+    except BaseException as error:
+        worker.outbox.put(("fatal", _error_info(error)))
+        worker.outbox.put(None)
+        worker.sender.join(_WATCH_S)
+        raise
 
 
 def _keep_freed_memory() -> None:
@@ -68,8 +84,12 @@ class _Worker:
                 return
 
     def run(self) -> None:
+        parent = os.getppid()
         while True:
             try:
+                while not self.conn.poll(_WATCH_S):
+                    if os.getppid() != parent:  # the parent is gone (its end of the pipe may live in a fork of it)
+                        return
                 message = self.conn.recv()
             except (EOFError, OSError):
                 return
@@ -85,9 +105,10 @@ class _Worker:
         self.broken.pop(object_id, None)
         try:
             self.objects[object_id] = pickle.loads(payload)
-        except Exception as error:
+        except BaseException as error:  # its class cannot be imported here, say: the parent is told, once
             self.objects.pop(object_id, None)
             self.broken[object_id] = _error_info(error)
+            self.outbox.put(("broken", object_id, self.broken[object_id]))
 
     def _drop(self, object_id: int) -> None:
         self.objects.pop(object_id, None)
@@ -122,9 +143,13 @@ class _Worker:
         spent: bool,
         call_args: tuple = (),
     ) -> None:
-        error, kept, drawn = self.broken.get(object_id), [], []
-        discarded = object_id in self.failed and error is None
-        if error is None and not discarded:
+        error, kept, drawn = None, [], []
+        # an object that could not be made here (the parent was told) or whose update failed: its updates not run
+        discarded = object_id in self.failed or object_id in self.broken
+        if object_id not in self.objects and not discarded:  # never sent here: said, not dropped in silence
+            error = _error_info(RuntimeError("the worker process holds no copy of the Metric (a lightning-store bug)"))
+            self.failed.add(object_id)
+        elif not discarded:
             target = self.objects[object_id].get_submodule(path) if path else self.objects[object_id]
             error, kept, drawn = _run_one(target, method, inputs, state, call_args, self.arenas)
             if error is not None or drawn:
@@ -133,8 +158,15 @@ class _Worker:
 
     def _pull(self, object_id: int) -> None:
         obj = self.objects.get(object_id)
-        values = [] if obj is None else [_data_of(module) for module in obj.modules()]
-        self.outbox.put(("states", object_id, _pickling.dumps(values)))
+        if obj is None:
+            self.outbox.put(("states", object_id, None, self.broken.get(object_id)))
+            return
+        values = [_data_of(module) for module in obj.modules()]
+        try:
+            self.outbox.put(("states", object_id, _pickling.dumps(values), None))
+        except BaseException as error:  # an attribute an update set that cannot be pickled, or no memory for it
+            where = "" if isinstance(error, MemoryError) else _unpicklable(obj, values)
+            self.outbox.put(("states", object_id, None, _error_info(error, where)))
 
 
 def _run_one(target: Module, method: str, inputs: tuple, state: Any, call_args: tuple, arenas: _Arenas) -> tuple:
@@ -142,6 +174,8 @@ def _run_one(target: Module, method: str, inputs: tuple, state: Any, call_args: 
     error, drawn = None, []
     with warnings.catch_warnings(record=True) as caught:
         try:
+            if isinstance(inputs, bytes):  # an update's, pickled at its call
+                inputs = pickle.loads(inputs)
             args, kwargs = _read_inputs(inputs, arenas.__getitem__)
             if state is None:
                 getattr(target, method)(*call_args)
@@ -152,7 +186,7 @@ def _run_one(target: Module, method: str, inputs: tuple, state: Any, call_args: 
                         cast(Any, target).update(*args, **kwargs)
                     finally:
                         drawn = _drawn(before, _host_states(torch_too=True))
-        except Exception as exception:
+        except BaseException as exception:  # `SystemExit` and pytest's `Failed` too: sent, and this process goes on
             error = _error_info(exception)
     kept = [(w.category, _picklable(w.message), w.filename, w.lineno) for w in caught[:_KEPT_WARNINGS]]
     return error, kept, drawn
@@ -163,13 +197,34 @@ def _data_of(module: Module) -> dict[str, Any]:
     return {k: v for k, v in vars(module).items() if k not in _MODULE_OWN and not callable(v)}
 
 
-def _error_info(error: BaseException) -> tuple:
+def _error_info(error: BaseException, where: str = "") -> tuple:
+    """What the parent needs to raise ``error`` again: the exception pickled, its class name, text and traceback.
+
+    An exception whose constructor takes other arguments pickles, and does not unpickle: it is sent as its class,
+    ``args`` and attributes, which the parent makes again with its type. ``where`` says more (an attribute's name).
+    """
     try:
         pickled: bytes | None = pickle.dumps(error)
+        pickle.loads(pickled)  # type: ignore[arg-type]
     except Exception:
-        pickled = None
+        try:
+            pickled = pickle.dumps(_pickling._ExceptionParts(error))
+        except Exception:
+            pickled = None
     trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    return pickled, type(error).__qualname__, str(error), trace
+    return pickled, type(error).__qualname__, str(error), trace, where
+
+
+def _unpicklable(obj: Module, values: list[dict[str, Any]]) -> str:
+    """The attributes of ``obj``'s Modules that do not pickle, by name (``cache (Lock)``), or ``""``."""
+    names = [name for name, _ in obj.named_modules()]
+    found = [
+        f"{f'{path}.' if path else ''}{key} ({type(value).__name__})"
+        for path, data in zip(names, values, strict=True)
+        for key, value in data.items()
+        if not _pickling.pickles(value)
+    ]
+    return ", ".join(found)
 
 
 def _picklable(message: Any) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 from torch.nn import Module
 
 from lightning_store.metrics import _pickling, _process_worker
+from lightning_store.metrics._ended import _RESET, _why_not_made
 from lightning_store.metrics._guard import _Refused
 from lightning_store.metrics._inputs_shared import _Outgoing
 from lightning_store.metrics._queue import _Failure, _Queue, _wait_for_room
@@ -35,6 +36,7 @@ class _ProcessQueue(_Queue):
         self.ahead_there = False  # whether updates ran there since its states were copied back
         self.paths: dict[int, str] = {}  # id of a Module of `root` -> its name in `root`
         self.lost: str | None = None  # why the worker process's copy is gone
+        self.lost_hint = _RESET  # and what to do
 
     def __reduce__(self) -> tuple[Any, ...]:
         # with the object it belongs to, so that an unpickled object sends itself whole (pickle keeps the cycle)
@@ -54,6 +56,9 @@ class _ProcessQueue(_Queue):
         return bool(self.pending) or self.ahead_there
 
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
+        if self.pending:  # the answers that arrived: an update that failed is said at this call, as with a thread
+            with _process_worker._worker.lock:
+                _process_worker._worker.receive_ready()
         self.report()
         if _process_worker._worker.stopping:  # the process is exiting (an update from another exit handler)
             if self.ahead():
@@ -75,10 +80,20 @@ class _ProcessQueue(_Queue):
         with _process_worker._worker.lock:
             self._send_root()
             waited = _wait_for_room(self, _process_worker._worker.receive, _process_worker._worker.receive_ready)
+            if self.lost is not None:  # lost while it waited
+                self.report()
+            head = ("update", self.id, self.queued + 1, path)
+            generation = _process_worker._worker.generation
+            _process_worker._worker.queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
+            if _process_worker._worker.generation != generation:  # the worker process ended while it waited
+                if self.lost is not None:
+                    _process_worker._worker.unqueue_last()
+                    self.report()
+                self._send_root()  # nothing of it was lost: the new worker process gets it before the update
             self.pending += 1
             self.queued += 1
             self.ahead_there = True
-            _process_worker._worker.send_update(("update", self.id, self.queued, path), outgoing, _CallerState())
+            _process_worker._worker.flush(wait=False)
         self._count_wait(waited)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:
@@ -103,11 +118,41 @@ class _ProcessQueue(_Queue):
                 _process_worker._worker.receive()
 
     def _report_more(self) -> None:
-        if self.lost is not None:
-            raise RuntimeError(
-                f"{self.name}: {self.lost} The updates it had run since its states were last read here are lost: this"
-                " Metric's state lacks them. HINT: `reset()` the Metric to go on from an empty state."
+        if self.lost is None:
+            return
+        failure, self.failure = self.failure, None
+        failed = ""
+        if failure is not None:  # what an update raised before: the cause, often (an allocation that failed)
+            failed = f" Before that, update #{failure.number} raised {type(failure.error).__name__}: {failure.error}"
+            failed = failed if failed.endswith(".") else f"{failed}."
+        error = RuntimeError(
+            f"{self.name}: {self.lost}{failed} The updates sent to it since this Metric's states were last read"
+            f" here are lost: its state lacks them. HINT: {self.lost_hint}"
+        )
+        if failure is not None:
+            raise error from failure.error
+        raise error
+
+    def on_broken(self, error: tuple) -> None:
+        """The worker process could not make its copy of ``root`` (its class cannot be imported there, say)."""
+        reason, hint = _why_not_made(error)
+        self.lost, self.lost_hint = reason, f"{hint} Then {_RESET}"
+
+    def on_not_pulled(self, error: tuple) -> None:
+        """The worker process could not send the states back: what its updates did cannot come here."""
+        _, name, text, _, where = error
+        if where:
+            self.lost = (
+                f"its states could not be copied back from the worker process: an update set {where}, which cannot"
+                f" be pickled ({name}: {text})."
             )
+            self.lost_hint = (
+                "keep only picklable attributes on the Metric (no lock, no open file: make one where it is used),"
+                f" or pass worker='thread' to offload_to_cpu. Then {_RESET}"
+            )
+        else:
+            self.lost = f"its states could not be copied back from the worker process ({name}: {text})."
+            self.lost_hint = f"give the job more memory, or read the Metric more often; then {_RESET}"
 
     def _raise_failure(self) -> None:
         self._wait()
@@ -138,15 +183,37 @@ class _ProcessQueue(_Queue):
             self.failure = _Failure(_Refused(reason, hint), number)
 
     def _send_root(self) -> None:
-        """Send the worker process a copy of ``root``, unless it holds one that counts."""
+        """Send the worker process a copy of ``root``, unless it holds one that counts.
+
+        A worker process that ended since it last answered held nothing that is not here: a new one gets the copy.
+        """
         if self.lost is not None:
             self.report()
-        if self.sent:
+        worker = _process_worker._worker
+        if self.sent and worker.alive():
             return
-        with _Inline():  # pickled as it is here: nothing is pending
-            payload = _pickling.dumps(self.root)
-        _process_worker._worker.send(("replace", self.id, payload))
-        self.sent = True
+        if self.lost is not None:  # it ended with updates of this object
+            self.report()
+        try:
+            with _Inline():  # pickled as it is here: nothing is pending
+                payload = _pickling.dumps(self.root)
+        except Exception as error:
+            raise TypeError(
+                f"{self.name} cannot be pickled any more ({error}), and the worker process gets a copy of it before"
+                " an update that follows a read or a change: the update is not queued. An attribute set since"
+                " offload_to_cpu holds what pickle cannot take (a lambda, a lock, an open file). HINT: keep only"
+                " picklable attributes on the Metric, or pass worker='thread' to offload_to_cpu."
+            ) from error
+        for _ in range(2):  # once more, to a new worker process, if this one ended before it got it
+            generation = worker.generation
+            worker.send(("replace", self.id, payload), start=True)
+            if worker.generation == generation:
+                self.sent = True
+                return
+            if self.lost is not None:
+                self.report()
+        self.lost, self.lost_hint = "lightning-store's offload worker process ended twice as it was sent it.", _RESET
+        self.report()
 
     def _path(self, obj: Module) -> str | None:
         """The name of ``obj`` in ``root`` (``""`` for ``root``), or ``None`` if ``obj`` is not part of it.
@@ -163,6 +230,7 @@ class _ProcessQueue(_Queue):
         # after the worker process was lost, the object here goes on from an empty state
         if self.lost is not None:
             self.lost, self.pending, self.ahead_there, self.sent = None, 0, False, False
+            self.lost_hint, self.failure = _RESET, None
 
 
 def _warning(category: type[Warning], message: Any, filename: str, lineno: int) -> warnings.WarningMessage:
@@ -176,7 +244,7 @@ class _RemoteTraceback(Exception):
         return str(self.args[0])
 
 
-def _error(pickled: bytes | None, name: str, text: str, trace: str) -> BaseException:
+def _error(pickled: bytes | None, name: str, text: str, trace: str, where: str = "") -> BaseException:
     """An error the worker process sent: the exception itself if it could be pickled, else a ``RuntimeError``."""
     error: BaseException = RuntimeError(f"{name}: {text}")
     if pickled is not None:

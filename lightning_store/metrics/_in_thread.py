@@ -65,7 +65,7 @@ class _ThreadQueue(_Queue):
             return
         state = _CallerState()
         with worker.lock:
-            waited = _wait_for_room(self, worker.changed.wait)
+            waited = _wait_for_room(self, worker.wait)
             self.pending += 1
             if obj is not None:
                 self.queued += 1
@@ -83,7 +83,7 @@ class _ThreadQueue(_Queue):
         try:
             with _as_at_the_call(job.state) as kept:
                 inputs = job.run()
-        except Exception as error:
+        except BaseException as error:  # `SystemExit`, pytest's `Failed` too: the worker thread must go on
             self.failure = _Failure(error, job.number)
         what = f"update #{job.number}" if job.number is not None else "collection's copy of its states"
         self.warnings.extend((what, message) for message in kept)
@@ -102,7 +102,7 @@ class _ThreadQueue(_Queue):
             worker = _get_worker()
             with worker.lock:
                 while self.pending:
-                    worker.changed.wait()
+                    worker.wait()
 
     def _report_more(self) -> None:
         if self.suspect is not None:

@@ -119,6 +119,12 @@ class _Outgoing:
         """Whether every device input has landed on the host (without waiting)."""
         return all(copy.ready() for _, copy in self.pending)
 
+    def release(self) -> None:
+        """Hand back the pinned memory of the device inputs not written (the update is not sent)."""
+        for _, copy in self.pending:
+            copy.release()
+        self.pending = []
+
     def land(self, arena: _Arena) -> None:
         """Write the device inputs into ``arena``, waiting for their copies, and hand their pinned memory back."""
         for where, copy in self.pending:

@@ -46,6 +46,24 @@ def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple, stride: tuple, in
         return flat.as_strided(shape, stride, 0)
 
 
+def _exception(cls: type[BaseException], args: tuple, state: dict[str, Any]) -> BaseException:
+    """The exception ``_ExceptionParts`` pickled: its class, ``args`` and attributes, without its constructor."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class _ExceptionParts:
+    """An exception whose constructor takes other arguments than its ``args``, pickled as its parts."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.parts = (type(error), error.args, dict(vars(error)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _exception, self.parts
+
+
 def pickles(obj: Any) -> bool:
     """Whether ``obj`` pickles (a class of ``__main__`` may not, in the worker process)."""
     try:

@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_store.metrics import _pickling
 from lightning_store.metrics._arena import _Arena
+from lightning_store.metrics._ended import _check_main_runs_again, _why_ended
 from lightning_store.metrics._inputs_shared import _Outgoing
+from lightning_store.metrics._space import _Space
 from lightning_store.metrics._thread_state import _CallerState
 
 if TYPE_CHECKING:
     from lightning_store.metrics._in_process import _ProcessQueue
 
-_HINT_LOST = (
-    "If it ended at once: it starts as DataLoader workers do with the `spawn` method, so a script that makes an"
-    " offloaded Metric guards its code with `if __name__ == '__main__':`."
-)
+_LIVENESS_S = 5.0  # as torch's DataLoader: a wait for an answer looks this often whether the worker process lives
+_IDLE_S = 10.0  # once every offloaded object is gone, the worker process ends after this (a new one starts if need be)
 
 
 class _ProcessWorker:
@@ -32,6 +32,12 @@ class _ProcessWorker:
     tensors in a shared arena), a call (``call``), a read (``pull``). The worker process answers updates and calls
     (``done``) and reads (``states``) in the same order; they are taken here whenever this process waits for one,
     or queues an update. An update with inputs on a device is sent once their copies have landed, in order.
+
+    Liveness, as torch's DataLoader: a wait for an answer is timed and looks whether the worker process lives, and
+    the worker process watches this one (``_child``). A worker process that ended is said with its exit code or
+    signal and the last exception it sent (``_ended``); an object with nothing there that is not here is sent to a
+    new one, any other is lost, and its reads say so until ``reset()``. Once no offloaded object is left, the worker
+    process ends; at exit, it is told to stop.
     """
 
     def __init__(self) -> None:
@@ -40,15 +46,16 @@ class _ProcessWorker:
         self.process: Any = None
         self.queues: weakref.WeakValueDictionary[int, _ProcessQueue] = weakref.WeakValueDictionary()
         self.ids = 0
-        self.arena: _Arena | None = None
-        # the arena of each update sent and not answered, oldest first (None: its inputs went with the message)
-        self.in_flight: deque[_Arena | None] = deque()
-        self.outbox: deque[tuple[tuple, _Outgoing, _CallerState, _Arena | None]] = deque()  # to send, in order
+        self.space = _Space(self._forget)  # the arenas of the updates' inputs
+        self.outbox: deque[tuple[tuple, _Outgoing, _CallerState, _Arena | None, bytes]] = deque()  # to send, in order
         self.filters: tuple = ()  # the warnings filters the worker process has
         self.state: _CallerState | None = None  # the caller's torch state the worker process has
-        self.pulled: dict[int, bytes] = {}
+        self.pulled: dict[int, tuple[bytes | None, tuple | None]] = {}  # a read's answer: the states, or an error
         self.to_drop: list[int] = []
         self.stopping = False
+        self.ready = False  # whether the worker process started (it said so)
+        self.fatal: tuple | None = None  # the error that ended it, as it sent it
+        self.generation = 0  # counts the worker processes lost: a message sent to a lost one is sent again
 
     def new_id(self, queue: "_ProcessQueue") -> int:
         self.ids += 1
@@ -59,10 +66,32 @@ class _ProcessWorker:
     def _dropped(self, queue_id: int) -> None:
         # a finalizer may run in the middle of a message: the worker process hears of it with the next one
         self.to_drop.append(queue_id)
+        if not self._in_use() and self.process is not None and not self.stopping:
+            timer = threading.Timer(_IDLE_S, self._end_if_unused)
+            timer.daemon = True
+            timer.start()
+
+    def _in_use(self) -> bool:
+        # the queue whose finalizer runs may still be in `queues`, dead: only the live ones count
+        return any(True for _ in self.queues.values())
+
+    def _end_if_unused(self) -> None:
+        """End the worker process if no offloaded object is left to use it (its memory goes back)."""
+        with self.lock:
+            if self._in_use() or self.conn is None or self.stopping:
+                return
+            with contextlib.suppress(OSError, ValueError):
+                self.conn.send(("stop",))
+            process = self.process
+            self._forget_worker()
+        process.join(2)
+        if process.is_alive():
+            process.terminate()
 
     def start(self) -> None:
         from lightning_store.metrics._child import _serve
 
+        _check_main_runs_again()
         context = multiprocessing.get_context("spawn")
         self.conn, theirs = context.Pipe()
         self.process = context.Process(target=_serve, args=(theirs,), name="lightning-store-offload", daemon=True)
@@ -70,10 +99,16 @@ class _ProcessWorker:
         theirs.close()
         _register_process_hooks()
 
-    def send(self, message: tuple) -> None:
-        self.send_bytes(pickle.dumps(message))
+    def send(self, message: tuple, start: bool = False) -> None:
+        self.send_bytes(pickle.dumps(message), start)
 
-    def send_bytes(self, payload: bytes) -> None:
+    def send_bytes(self, payload: bytes, start: bool = False) -> None:
+        """Send ``payload``; with ``start`` (an object's copy), to a new worker process if there is none.
+
+        Any other message meant for a worker process that ended is dropped: what it was about is said lost.
+        """
+        if self.conn is None and not start:
+            return
         if self.conn is None:
             self.start()
         try:
@@ -83,15 +118,46 @@ class _ProcessWorker:
         except (OSError, ValueError):
             self._lost()
 
-    def send_update(self, head: tuple, outgoing: _Outgoing, state: _CallerState) -> None:
-        """Take arena space for ``outgoing`` (waiting for answers if need be), write it, send it once it landed."""
+    def alive(self) -> bool:
+        """Whether the worker process is there to be sent an object (if it ended, what it held is said lost)."""
+        if self.process is not None and not self.process.is_alive():
+            self._lost()
+        return self.conn is not None
+
+    def queue_update(self, head: tuple, outgoing: _Outgoing, state: _CallerState, name: str) -> None:
+        """Take arena space for ``outgoing`` (waiting for answers if need be), write it, and queue it to be sent.
+
+        Its inputs are pickled now: an input that cannot go to another process raises here, and nothing is queued.
+        :meth:`flush` sends it, once its inputs have landed.
+        """
         arena: _Arena | None = None
         if outgoing.nbytes:
-            arena, offset = self._space(outgoing.nbytes)
+            arena, offset = self.space.take(outgoing.nbytes, self._wait_for_answer)
             outgoing.place(arena, offset)
-        self.in_flight.append(arena)
-        self.outbox.append((head, outgoing, state, arena))
-        self.flush(wait=False)
+        try:
+            inputs = (
+                _pickling.dumps(outgoing.inputs)
+                if outgoing.tensors
+                else pickle.dumps(outgoing.inputs, pickle.HIGHEST_PROTOCOL)
+            )
+        except Exception as error:
+            if arena is not None:
+                arena.untake()
+            outgoing.release()
+            raise TypeError(
+                f"{name}.update got an input that cannot be pickled ({error}), and the worker process takes a copy"
+                " of each: the update is not queued, and the Metric's state is as before the call. HINT: pass"
+                " tensors, numbers, strings, and lists, tuples or dicts of them (not a generator, a lambda or an"
+                " open file), or pass worker='thread' to offload_to_cpu."
+            ) from error
+        self.space.sent(arena)
+        self.outbox.append((head, outgoing, state, arena, inputs))
+
+    def unqueue_last(self) -> None:
+        """Take back the update last queued, not sent (its object was lost while it waited for space)."""
+        _, outgoing, _, _, _ = self.outbox.pop()
+        self.space.unsent()
+        outgoing.release()
 
     def send_call(self, message: tuple) -> None:
         self.flush()  # after every update queued before it
@@ -100,7 +166,7 @@ class _ProcessWorker:
     def flush(self, wait: bool = True) -> None:
         """Send the updates whose inputs have landed, in order (with ``wait``, all of them)."""
         while self.outbox and (wait or self.outbox[0][1].ready()):
-            head, outgoing, state, arena = self.outbox.popleft()
+            head, outgoing, state, arena, inputs = self.outbox.popleft()
             if arena is not None:
                 outgoing.land(arena)
             filters = tuple(warnings.filters)
@@ -109,53 +175,51 @@ class _ProcessWorker:
                 self.filters = filters
             same = state == self.state  # most often: sent once, and the worker process keeps it
             self.state = state
-            message = (*head, outgoing.inputs, None if same else state)
-            # most often no tensor is left in the inputs (they are in the arena, or `_Small`): pickle's own is faster
-            self.send_bytes(
-                _pickling.dumps(message) if outgoing.tensors else pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-            )
+            # the inputs, pickled at the call: most often no tensor is left in them (they are in the arena, or
+            # `_Small`), and pickle's own was faster
+            self.send_bytes(pickle.dumps((*head, inputs, None if same else state), pickle.HIGHEST_PROTOCOL))
+            if self.conn is None:  # the worker process was lost: the updates left are too
+                return
 
-    def _space(self, nbytes: int) -> tuple[_Arena, int]:
-        if self.arena is None or nbytes > self.arena.size // 2:
-            self._new_arena(max(nbytes * 4, self.arena.size * 2 if self.arena else 0))
-        assert self.arena is not None
-        while (offset := self.arena.take(nbytes)) is None:
-            if not self.in_flight:  # nothing will give space back: a larger arena
-                self._new_arena(self.arena.size * 2)
-                continue
-            self.flush()
-            self.receive()
-        return self.arena, offset
-
-    def _new_arena(self, nbytes: int) -> None:
-        old, self.arena = self.arena, _Arena(max(nbytes, 16 * 2**20))
-        if old is not None and old not in self.in_flight:
-            self._forget(old)
-        elif old is not None:
-            old.retired = True
+    def _wait_for_answer(self) -> None:
+        self.flush()
+        self.receive()
 
     def _forget(self, arena: _Arena) -> None:
         self.send(("forget", arena.name))
         arena.close(unlink=True)
 
     def receive(self) -> None:
-        """Wait for the next answer of the worker process, and take it."""
+        """Wait for the next answer of the worker process, and take it; looking every few seconds that it lives."""
         try:
+            while not self.conn.poll(_LIVENESS_S):
+                if not self.process.is_alive() and not self.conn.poll(0):
+                    raise EOFError  # its end of the pipe lives on in a fork of this process, say
             message = self.conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError, AttributeError):  # ended, or lost already (no pipe)
             self._lost()
             return
+        self._take(message)
+
+    def _take(self, message: tuple) -> None:
         kind = message[0]
+        if kind == "ready":
+            self.ready = True
+            return
+        if kind == "fatal":
+            self.fatal = message[1]
+            return
         if kind == "states":
-            self.pulled[message[1]] = message[2]
+            self.pulled[message[1]] = (message[2], message[3])
+            return
+        if kind == "broken":
+            broken = self.queues.get(message[1])
+            if broken is not None:
+                broken.on_broken(message[2])
             return
         _, queue_id, number, error, kept, drawn, discarded, spent = message
         if spent:
-            arena = self.in_flight.popleft()
-            if arena is not None:
-                arena.give_back()
-                if arena.retired and not arena.spans:
-                    self._forget(arena)
+            self.space.answered()
         queue = self.queues.get(queue_id)
         if queue is not None:
             queue.on_done(number, error, kept, drawn, discarded)
@@ -170,27 +234,48 @@ class _ProcessWorker:
 
     def pull(self, queue: "_ProcessQueue") -> None:
         """Copy the states of the worker process's copy of ``queue.root`` into ``queue.root``."""
+        self.pulled.pop(queue.id, None)
         self.send(("pull", queue.id))
         while queue.id not in self.pulled and queue.lost is None:
             self.receive()
-        payload = self.pulled.pop(queue.id, None)
+        payload, error = self.pulled.pop(queue.id, (None, None))
+        if error is not None:
+            queue.on_not_pulled(error)
         if payload is None or queue.root is None:
             return
         for module, values in zip(queue.root.modules(), pickle.loads(payload), strict=True):
             module.__dict__.update(values)
 
     def _lost(self) -> None:
-        """The worker process ended (killed, out of memory, or it could not start): what it held is lost."""
+        """The worker process ended (killed, out of memory, or it could not start).
+
+        Its last answers are taken first. An object with updates there that did not come back here is lost, and
+        its reads say why; any other is sent again, whole, to a new worker process, as nothing of it was lost.
+        """
+        with contextlib.suppress(EOFError, OSError, AttributeError):
+            while self.conn.poll(0):
+                self._take(self.conn.recv())
         if self.process is not None:
             self.process.join(1)
         code = self.process.exitcode if self.process is not None else None
-        reason = f"lightning-store's offload worker process ended (exit code {code}). {_HINT_LOST}"
+        reason, hint = _why_ended(code, self.ready, self.fatal)
         for queue in list(self.queues.values()):
-            if queue.sent or queue.pending:
-                queue.lost = reason
-                queue.pending = 0
-        self.conn, self.process, self.in_flight, self.outbox = None, None, deque(), deque()
-        self.filters, self.state = (), None
+            if queue.ahead():
+                queue.lost, queue.lost_hint = reason, hint
+            queue.pending, queue.sent, queue.ahead_there = 0, False, False
+        self._forget_worker()
+
+    def _forget_worker(self) -> None:
+        """Start afresh at the next message: no worker process, no arena, nothing sent."""
+        for _, outgoing, _, _, _ in self.outbox:
+            outgoing.release()
+        self.space.close()
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.close()
+        self.conn, self.process, self.outbox = None, None, deque()
+        self.filters, self.state, self.ready, self.fatal, self.pulled = (), None, False, None, {}
+        self.generation += 1
 
     def stop(self) -> None:
         """Let the worker process end, dropping the updates it has not run (at exit), and free the arenas."""
@@ -204,9 +289,7 @@ class _ProcessWorker:
             self.process.join(2)
             if self.process.is_alive():
                 self.process.terminate()
-        for arena in {*self.in_flight, *(arena for *_, arena in self.outbox), self.arena} - {None}:
-            arena.close(unlink=True)  # type: ignore[union-attr]
-        self.arena = None
+        self.space.close()  # the outbox's arenas are in flight
 
 
 _worker = _ProcessWorker()

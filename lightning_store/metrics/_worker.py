@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from lightning_store.metrics._queue import _Failure
 from lightning_store.metrics._warnings import _install, _uninstall
 
 _local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
@@ -53,6 +54,7 @@ class _Worker:
     """
 
     exit_timeout_s = 2.0
+    liveness_s = 5.0  # as torch's DataLoader: a wait for the thread looks this often whether it still runs
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -72,6 +74,17 @@ class _Worker:
         self.jobs.append(job)
         self.changed.notify_all()
 
+    def wait(self) -> None:
+        """Wait (holding ``lock``) until a job is done; raise if the thread ended with jobs left, rather than hang."""
+        if self.changed.wait(self.liveness_s) or self.thread is None or self.thread.is_alive():
+            return
+        if self.jobs or self.busy:
+            raise RuntimeError(
+                f"lightning-store's offload worker thread ended with {len(self.jobs) + self.busy} job(s) not run: the"
+                " offloaded Metrics' states lack them. HINT: this is a bug of lightning-store, please report it; pass"
+                " worker='process' to offload_to_cpu meanwhile."
+            )
+
     def is_worker_thread(self) -> bool:
         return self.thread is not None and threading.get_ident() == self.thread.ident
 
@@ -87,6 +100,9 @@ class _Worker:
                 self.busy = True
             try:
                 job.queue.run(job)
+            except BaseException as error:  # in the queue's own steps: kept for the caller, and this thread goes on
+                if job.queue.failure is None:
+                    job.queue.failure = _Failure(error, job.number)
             finally:
                 with self.lock:
                     self.busy = False
@@ -99,7 +115,7 @@ class _Worker:
             return
         with self.lock:
             while self.jobs or self.busy:
-                self.changed.wait()
+                self.wait()
 
     def stop(self) -> None:
         """Drop the jobs not yet run and let the thread end (at exit)."""

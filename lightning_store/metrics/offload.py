@@ -10,6 +10,7 @@ from torchmetrics.wrappers import BootStrapper, MetricTracker
 from lightning_store._gather import _is_gather_on_device, gather_on_device
 from lightning_store._policy import _check_positive_int
 from lightning_store.metrics._configured import _remember_plain_settings, _settling, _StatesOnCPU
+from lightning_store.metrics._ended import _main_defines
 from lightning_store.metrics._in_process import _ProcessQueue
 from lightning_store.metrics._in_thread import _ThreadQueue
 from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of
@@ -51,7 +52,8 @@ def offload_to_cpu(
 
     Raises:
         TypeError: if ``metric`` is not one of those (a class, say), ``max_pending`` is not an int, or
-            ``worker="process"`` gets a Metric that cannot be pickled.
+            ``worker="process"`` gets a Metric that cannot be pickled, or whose class a worker process cannot import
+            (defined in ``__main__`` of ``python -c``, stdin or a notebook).
         ValueError: if ``max_pending`` is not positive, ``worker`` is neither, or ``metric`` cannot be offloaded (a
             ``BootStrapper``, one with a ``dist_sync_fn`` of its own, one given to ``store_states_on_cpu``, or one
             offloaded already to the other worker).
@@ -115,6 +117,14 @@ def _check_worker(worker: Any) -> None:
 
 
 def _check_pickles(metric: Module) -> None:
+    in_main = _main_defines(metric)
+    if in_main is not None:
+        raise TypeError(
+            f"offload_to_cpu(worker='process') got a {type(metric).__name__} whose class {in_main} is defined in"
+            " `__main__` of a program run with `python -c`, from stdin or in a notebook: the worker process cannot"
+            " import it. HINT: pass worker='thread' (the default), which works there, or define the class in a"
+            " module the worker process can import."
+        )
     try:
         pickle.dumps(metric)
     except Exception as error:

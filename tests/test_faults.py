@@ -1,0 +1,456 @@
+"""Faults a long training job meets, with either worker: no hang, no crash, and errors that name the real cause."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from torch import Tensor
+from torchmetrics import SumMetric
+
+from lightning_store import offload_to_cpu
+from lightning_store.metrics import _process_worker
+
+HANG_BOUND_S = 120.0  # a run that hangs fails the test after this, rather than hanging the suite
+
+PRELUDE = """
+import gc, os, pickle, signal, sys, threading, time
+import torch
+from torchmetrics import CatMetric, SumMetric
+from lightning_store import offload_to_cpu
+from lightning_store.metrics import _process_worker
+"""
+
+
+FAULTY = """
+import torch
+from torchmetrics import SumMetric
+
+
+class RaisesOnNegative(SumMetric):
+    def __init__(self, exception="ValueError('negative')"):
+        super().__init__()
+        self.exception = exception
+
+    def update(self, value):
+        if value.sum() < 0:
+            raise eval(self.exception)
+        super().update(value)
+"""
+
+
+@pytest.fixture
+def run(tmp_path):
+    """Run a script by a Python of its own, beside a module ``faulty`` of Metrics a worker process can import."""
+    (tmp_path / "faulty.py").write_text(FAULTY)
+
+    def run(body: str, **env: str) -> subprocess.CompletedProcess:
+        script = tmp_path / "script.py"
+        script.write_text(PRELUDE + "\nif __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(body), "    "))
+        path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+        return _bounded([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": path, **env}, cwd=tmp_path)
+
+    return run
+
+
+def _bounded(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=HANG_BOUND_S, **kwargs)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"hung: no end within {HANG_BOUND_S:.0f} s; its output: {expired.stdout!r} {expired.stderr!r}")
+
+
+def _out(result: subprocess.CompletedProcess) -> list[str]:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.splitlines()
+
+
+@pytest.mark.parametrize("exception", ["SystemExit(3)", "KeyboardInterrupt()", "GeneratorExit()"])
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_a_base_exception_in_update_is_raised_at_the_next_call_and_the_worker_goes_on(run, worker, exception):
+    out = _out(
+        run(f"""
+        from faulty import RaisesOnNegative
+        metric = offload_to_cpu(RaisesOnNegative({exception!r}), worker={worker!r})
+        metric.update(torch.ones(2))
+        metric.update(-torch.ones(2))
+        try:
+            metric.compute()
+        except BaseException as error:
+            print(type(error).__name__, "|", error)
+        metric.update(torch.ones(3))
+        print(metric.compute().item())
+        """)
+    )
+    name = exception.split("(")[0]
+    assert out[0].startswith(
+        f"{name} | RaisesOnNegative.update raised in lightning-store's offload worker, at update #2"
+    )
+    assert out[1] == "5.0"
+
+
+class Plain(SumMetric):
+    """A Metric of this module, which a worker process imports."""
+
+
+class KeepsALock(SumMetric):
+    def update(self, value: Tensor) -> None:
+        self.cache = threading.Lock()  # pickle cannot take it
+        super().update(value)
+
+
+class _CannotCopyBack:
+    def __reduce__(self):
+        raise MemoryError("no memory to copy the states back")
+
+
+class RunsOutOfMemory(SumMetric):
+    def update(self, value: Tensor) -> None:
+        self.scratch = _CannotCopyBack()
+        if value.sum() < 0:
+            raise MemoryError("the update's own allocation of 80 GiB failed")
+        super().update(value)
+
+
+class _TwoArguments(Exception):
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+
+
+class RaisesItsOwn(SumMetric):
+    def update(self, value: Tensor) -> None:
+        if value.sum() < 0:
+            raise _TwoArguments(7, "negative")
+        super().update(value)
+
+
+class FailsAtTen(SumMetric):
+    def update(self, value: Tensor) -> None:
+        if value.item() == 10:
+            raise ValueError("value 10 is refused")
+        super().update(value)
+
+
+def test_an_input_that_cannot_be_pickled_is_refused_at_the_call_and_nothing_waits_for_it(run):
+    out = _out(
+        run("""
+        metric = offload_to_cpu(SumMetric(), worker="process")
+        metric.update(torch.ones(2))
+        try:
+            metric.update(torch.ones(2), (i for i in range(3)))
+        except TypeError as error:
+            print(error)
+        print(metric.compute().item(), metric._offload.pending)
+        """)
+    )
+    assert out[0].startswith("SumMetric.update got an input that cannot be pickled (cannot pickle 'generator'")
+    assert "HINT: pass tensors, numbers, strings" in out[0] and "or pass worker='thread'" in out[0]
+    assert out[1] == "2.0 0"
+
+
+def test_too_little_room_in_dev_shm_is_said_before_a_write_there_and_the_metric_goes_on(run):
+    out = _out(
+        run("""
+        from lightning_store.metrics import _arena
+        _arena._room = lambda: (2**20, 64 * 2**20)  # a Docker container's /dev/shm, nearly full
+        metric = offload_to_cpu(CatMetric(), worker="process")
+        metric.update(torch.ones(2))
+        try:
+            metric.update(torch.ones(2**20))  # 4 MiB
+        except RuntimeError as error:
+            print(error)
+        print(metric.compute().tolist(), metric._offload.pending)
+        _arena._room = lambda: (12 * 2**20, 64 * 2**20)  # room for one update's inputs, not for 4
+        for value in range(3):
+            metric.update(torch.full((2**20,), float(value)))
+        print(metric.compute().sum().item(), _process_worker._worker.space.arena.size)
+        """)
+    )
+    assert out[0].startswith(
+        "lightning-store's offload worker process takes an update's inputs through shared memory, in /dev/shm,"
+        " which has 1.0 MiB free of 64.0 MiB: too little for the 4.0 MiB these inputs need"
+    )
+    assert "HINT: give the container more shared memory (`docker run --shm-size=8g`" in out[0]
+    assert "or pass worker='thread' to offload_to_cpu" in out[0]
+    assert out[1] == "[1.0, 1.0] 0"
+    assert out[2] == f"{2.0 + 3 * 2**20:.1f} {4 * 2**20}"
+
+
+def test_a_worker_process_killed_after_a_read_is_replaced_and_given_the_state_held_here():
+    offloaded, plain = offload_to_cpu(SumMetric(), worker="process"), SumMetric()
+    for m in (offloaded, plain):
+        m.update(torch.ones(2))
+    assert offloaded.compute() == plain.compute()
+    _process_worker._worker.process.kill()  # as the out-of-memory killer would
+    _process_worker._worker.process.join(10)
+    for m in (offloaded, plain):
+        m.update(torch.full((3,), 2.0))
+        m.update(torch.full((3,), 4.0))
+    assert offloaded.compute() == plain.compute() == 20.0
+    assert _process_worker._worker.process.is_alive()
+
+
+def test_a_worker_process_killed_with_updates_not_read_back_is_said_by_its_signal():
+    offloaded = offload_to_cpu(Plain(), worker="process")
+    offloaded.update(torch.ones(2))
+    _process_worker._worker.flush()
+    os.kill(_process_worker._worker.process.pid, signal.SIGKILL)
+    _process_worker._worker.process.join(10)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^Plain: lightning-store's offload worker process ended \(killed by signal SIGKILL, which the system's"
+        r" out-of-memory killer sends, as does `kill -9`\)\. The updates sent to it since .* are lost: .*"
+        r" HINT: give the job more memory",
+    ) as err:
+        offloaded.compute()
+    assert "__main__" not in str(err.value)  # it had started: no hint about a script's guard
+    offloaded.reset()
+    offloaded.update(torch.ones(3))
+    assert offloaded.compute() == 3.0
+
+
+def test_a_worker_process_that_ended_on_an_error_is_said_with_the_error():
+    offloaded = offload_to_cpu(Plain(), worker="process")
+    offloaded.update(torch.ones(2))
+    _process_worker._worker.send(("no such message",))  # the worker process raises AttributeError, and ends
+    with pytest.raises(
+        RuntimeError,
+        match=r"^Plain: lightning-store's offload worker process ended \(exit code 1\)\. Its last exception:"
+        r" AttributeError: '_Worker' object has no attribute '_no such message'\.",
+    ) as err:
+        offloaded.compute()
+    assert "__main__" not in str(err.value)
+    offloaded.reset()
+    offloaded.update(torch.ones(3))
+    assert offloaded.compute() == 3.0
+
+
+def test_an_attribute_an_update_sets_that_cannot_be_pickled_is_named_and_the_worker_goes_on():
+    offloaded = offload_to_cpu(KeepsALock(), worker="process")
+    offloaded.update(torch.ones(2))
+    pid = _process_worker._worker.process.pid
+    with pytest.raises(
+        RuntimeError,
+        match=r"^KeepsALock: its states could not be copied back from the worker process: an update set cache"
+        r" \(lock\), which cannot be pickled \(TypeError: cannot pickle '_thread.lock' object\)\..* HINT: keep only"
+        r" picklable attributes on the Metric .*or pass worker='thread' to offload_to_cpu",
+    ):
+        offloaded.compute()
+    assert _process_worker._worker.process.pid == pid and _process_worker._worker.process.is_alive()
+
+
+def test_an_allocation_error_of_the_update_is_not_hidden_by_one_while_the_states_are_copied_back():
+    offloaded = offload_to_cpu(RunsOutOfMemory(), worker="process")
+    offloaded.update(torch.ones(2))
+    offloaded.update(-torch.ones(2))
+    with pytest.raises(
+        RuntimeError,
+        match=r"^RunsOutOfMemory: its states could not be copied back from the worker process \(MemoryError: no"
+        r" memory to copy the states back\)\. Before that, update #2 raised MemoryError: the update's own allocation"
+        r" of 80 GiB failed\.",
+    ) as err:
+        offloaded.compute()
+    assert isinstance(err.value.__cause__, MemoryError)
+    assert _process_worker._worker.process.is_alive()
+
+
+def test_a_class_from_python_c_is_refused_at_once_with_the_thread_worker_as_the_fix():
+    script = PRELUDE + textwrap.dedent("""
+    class Mine(SumMetric):
+        pass
+    try:
+        offload_to_cpu(Mine(), worker="process")
+    except TypeError as error:
+        print(error)
+    metric = offload_to_cpu(Mine())  # the thread worker works here
+    metric.update(torch.ones(2))
+    print(metric.compute().item())
+    """)
+    out = _out(_bounded([sys.executable, "-c", script]))
+    assert out[0].startswith(
+        "offload_to_cpu(worker='process') got a Mine whose class Mine is defined in `__main__` of a program run with"
+        " `python -c`, from stdin or in a notebook: the worker process cannot import it. HINT: pass worker='thread'"
+    )
+    assert out[1] == "2.0"
+
+
+def test_a_program_read_from_stdin_is_told_the_worker_process_cannot_start_there():
+    script = PRELUDE + textwrap.dedent("""
+    metric = offload_to_cpu(SumMetric(), worker="process")
+    try:
+        metric.update(torch.ones(2))
+    except RuntimeError as error:
+        print(error)
+    print(metric.compute().item())
+    """)
+    out = _out(_bounded([sys.executable, "-"], input=script))
+    assert out[0].startswith(
+        "lightning-store's offload worker process cannot start: it starts as DataLoader workers do with the `spawn`"
+        " method, which runs this program's `__main__` again, and this one was read from <stdin>, which another"
+        " process cannot read. HINT: pass worker='thread'"
+    )
+    assert out[1] == "0.0"
+
+
+def test_an_attribute_set_after_offloading_that_cannot_be_pickled_is_said_with_the_metric_and_a_hint():
+    offloaded = offload_to_cpu(Plain(), worker="process")
+    offloaded.update(torch.ones(2))
+    assert offloaded.compute() == 2.0
+    offloaded.transform = lambda x: x
+    with pytest.raises(
+        TypeError,
+        match=r"^Plain cannot be pickled any more \(.*\), and the worker process gets a copy of it .* HINT: keep only"
+        r" picklable attributes on the Metric, or pass worker='thread' to offload_to_cpu\.",
+    ):
+        offloaded.update(torch.ones(2))
+    del offloaded.transform
+    offloaded.update(torch.ones(2))
+    assert offloaded.compute() == 4.0
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_an_update_that_fails_is_raised_at_one_of_the_next_calls_once_its_answer_is_there(worker):
+    offloaded = offload_to_cpu(FailsAtTen(), worker=worker, max_pending=64)
+    raised_at = None
+    for call in range(1, 61):
+        try:
+            offloaded.update(torch.tensor(float(call)))
+        except ValueError:
+            raised_at = call
+            break
+        time.sleep(0.05)  # a training step
+    assert raised_at is not None and raised_at <= 30, raised_at  # the thread: at call 11; 64 calls late before
+    offloaded.reset()
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_an_error_whose_constructor_takes_other_arguments_keeps_its_type(worker):
+    offloaded = offload_to_cpu(RaisesItsOwn(), worker=worker)
+    offloaded.update(torch.ones(2))
+    offloaded.update(-torch.ones(2))
+    with pytest.raises(_TwoArguments, match=r"^7: negative$") as err:
+        offloaded.compute()
+    assert err.value.code == 7
+    assert offloaded.compute() == 2.0
+
+
+def test_ctrl_c_to_the_process_group_leaves_the_worker_process_quiet_and_up(run, tmp_path):
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        PRELUDE
+        + textwrap.dedent("""
+        if __name__ == "__main__":
+            metric = offload_to_cpu(SumMetric(), worker="process")
+            metric.update(torch.ones(2))
+            print(metric.compute().item(), flush=True)
+            try:
+                time.sleep(60)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+            metric.update(torch.ones(2))
+            print(metric.compute().item(), flush=True)
+        """)
+    )
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert process.stdout.readline() == "2.0\n"
+        time.sleep(0.5)
+        os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C in a terminal
+        out, err = process.communicate(timeout=HANG_BOUND_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert out.splitlines() == ["interrupted", "4.0"], err
+    assert "KeyboardInterrupt" not in err
+
+
+def test_the_worker_process_ends_once_no_offloaded_object_is_left(run):
+    out = _out(
+        run("""
+        _process_worker._IDLE_S = 0.2
+        metric = offload_to_cpu(SumMetric(), worker="process")
+        metric.update(torch.ones(2))
+        print(metric.compute().item())
+        process = _process_worker._worker.process
+        del metric
+        gc.collect()
+        deadline = time.monotonic() + 30
+        while process.is_alive() and time.monotonic() < deadline:  # the worker's own timer joins it
+            time.sleep(0.1)
+        print(process.is_alive(), _process_worker._worker.process)
+        metric = offload_to_cpu(SumMetric(), worker="process")  # a new worker process
+        metric.update(torch.ones(3))
+        print(metric.compute().item())
+        """)
+    )
+    assert out == ["2.0", "False None", "3.0"]
+
+
+def test_a_script_without_the_main_guard_is_told_so_and_only_then(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        PRELUDE
+        + textwrap.dedent("""
+        metric = offload_to_cpu(SumMetric(), worker="process")
+        metric.update(torch.ones(2))
+        try:
+            metric.compute()
+        except RuntimeError as error:
+            print(error)
+        """)
+    )
+    out = _bounded([sys.executable, str(script)], cwd=tmp_path)
+    assert out.stdout.startswith(
+        "SumMetric: lightning-store's offload worker process ended before it started (exit code 1). It starts as"
+        " DataLoader workers do with the `spawn` method, importing this program's `__main__` module again."
+    ), out.stderr[-3000:]
+    assert "HINT: a script that offloads a Metric guards its code with `if __name__ == '__main__':`" in out.stdout
+
+
+def test_the_worker_process_ends_soon_after_its_parent_though_another_process_keeps_the_pipe_open(run):
+    result = run("""
+        import subprocess
+        metric = offload_to_cpu(SumMetric(), worker="process")
+        metric.update(torch.ones(2))
+        metric.compute()
+        holder = subprocess.Popen(  # a process started with this one's end of the pipe, which it keeps open
+            ["sleep", "90"],
+            pass_fds=[_process_worker._worker.conn.fileno()],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        print(holder.pid, time.time(), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """)
+    ended = time.time()  # the worker process held this run's output: it has ended
+    holder, killed = result.stdout.split()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int(holder), signal.SIGKILL)
+    assert result.returncode == -signal.SIGKILL
+    assert ended - float(killed) < 45  # it watches its parent every 5 s; before, it waited for the pipe's end (90 s)
+
+
+def test_a_wait_for_a_worker_thread_that_ended_raises_rather_than_hangs(run):
+    out = _out(
+        run("""
+        from lightning_store.metrics import _worker
+        _worker._Worker.liveness_s = 0.2
+        _worker._Worker._loop = lambda self: None  # a thread that ends at once, as if by a bug
+        metric = offload_to_cpu(SumMetric())
+        metric.update(torch.ones(2))
+        try:
+            metric.compute()
+        except RuntimeError as error:
+            print(error)
+        """)
+    )
+    assert out[0].startswith("lightning-store's offload worker thread ended with 1 job(s) not run")
