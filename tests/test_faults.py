@@ -17,6 +17,8 @@ from torchmetrics import SumMetric
 from lightning_store import offload_to_cpu
 from lightning_store.metrics import _process_worker
 
+pytestmark = pytest.mark.faults
+
 HANG_BOUND_S = 120.0  # a run that hangs fails the test after this, rather than hanging the suite
 
 PRELUDE = """
