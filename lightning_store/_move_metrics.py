@@ -59,7 +59,7 @@ def _store_states_of_torchmetrics(module: Module) -> None:
     """
     left_alone: set[int] = set()
     for path, held in module.named_modules():
-        if isinstance(held, _ACCEPTED) and _opts_out(held, _code_for(module, path)):
+        if isinstance(held, _ACCEPTED) and _opts_out(held, module, path):
             left_alone.update(id(inner) for inner in held.modules())
     chosen: dict[str, Metric] = {}
     for path, metric in module.named_modules():
@@ -69,12 +69,13 @@ def _store_states_of_torchmetrics(module: Module) -> None:
             continue
         if not _owns_list_states(metric):
             continue
+        code = _code_for(module, path)
         if type(metric).__module__.partition(".")[0] != "torchmetrics":
-            _warn_own_class(metric, _code_for(module, path))
+            _warn_own_class(metric, code)
         elif metric.dist_sync_fn is not None and not _is_gather_on_device(metric.dist_sync_fn):
-            _warn_dist_sync_fn(metric, _code_for(module, path))
+            _warn_dist_sync_fn(metric, code)
         else:
-            chosen[_code_for(module, path)] = metric
+            chosen[code] = metric
     if chosen:
         _configure_together(list(chosen.values()))
         _by_flag(chosen.values())
@@ -106,11 +107,13 @@ def _code_for(module: Module, path: str) -> str:
     return code
 
 
-def _opts_out(held: Module, code: str) -> bool:
+def _opts_out(held: Module, module: Module, path: str) -> bool:
+    """Whether ``held``, ``module``'s submodule at ``path``, opts out (``move_metrics_to_cpu = False``)."""
     value = getattr(held, OPT_OUT, None)
     try:
         return _as_bool(value, OPT_OUT, optional=True) is False
     except TypeError:
+        code = _code_for(module, path)
         raise TypeError(
             f"Expected {code}.{OPT_OUT} to be a bool, got {value!r} ({_type_name(value)})."
             f" HINT: set `{code}.{OPT_OUT} = False` to keep it on its device under"

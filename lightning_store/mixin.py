@@ -11,7 +11,7 @@ from lightning_store._policy import _as_bool, _from_log_dict, _module_policy, _r
 from lightning_store.metrics._offloaded import _is_offloaded
 from lightning_store.metrics._states import _metrics_in, _owns_list_states
 from lightning_store.metrics.states import _stores_states_on_cpu
-from lightning_store.warnings import _warn_once, _warn_once_outside
+from lightning_store.warnings import _said, _warn_once, _warn_once_outside
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule as _LogBase
@@ -222,15 +222,17 @@ class StoreOnCPUMixin(_LogBase):
                     + _metric_hint(value),
                     stacklevel=6 if via_log_dict else 4,
                 )
-            elif _keeps_list_states_on_its_device(value):  # `store_on_cpu_default = True`: said once
-                _warn_once_outside(
+            else:  # `store_on_cpu_default = True`: said once, if the Metric keeps list states on its device
+                message = (
                     f"`{type(self).__name__}.store_on_cpu_default = True` stores on the CPU the tensors the module"
                     " logs, not the states of the Metrics it logs: those stay where the Metric updates."
                     f" {type(value).__name__} keeps what it gathers over an epoch (every prediction and target) in"
                     " list states. HINT: to keep them on the CPU, configure the Metric once where it is made,"
-                    " `lightning_store.store_states_on_cpu(metric)`; then it is logged as before.",
-                    _LIGHTNING,  # the user's `self.log` or `self.log_dict` line
+                    " `lightning_store.store_states_on_cpu(metric)`; then it is logged as before."
                 )
+                # performance: every step logs the Metric; once said, its children are not walked again
+                if not _said(message) and _keeps_list_states_on_its_device(value):
+                    _warn_once_outside(message, _LIGHTNING)  # the user's `self.log` or `self.log_dict` line
             return
         trainer = self._trainer
         # the training loop's collection stands for all: they are installed together (performance: three look-ups)

@@ -100,9 +100,11 @@ def storage_report(trainer: Any) -> list[KeyStorage]:
     loops = list(_loops(trainer))
     running = _running_loop(trainer)
     # a Metric logged in several loops (validation and test, say) holds the state of the loop that runs now
-    held_by_running = {id(r.value) for name, results in loops if name == running for r in results.values()}
+    held_by_running = {
+        id(r.value) for name, results in loops if name == running for r in results.values() if not r.is_tensor
+    }
     return [
-        _row(loop, result, held=result.is_tensor or loop == running or id(result.value) not in held_by_running)
+        _row(loop, result, held=loop == running or id(result.value) not in held_by_running)
         for loop, results in loops
         for result in results.values()
     ]

@@ -73,7 +73,7 @@ def _warn_once_at(message: str, filename: str, lineno: int, category: type[Warni
 
     For a warning whose cause is no line of the stack: a config file's key, the class of a Metric.
     """
-    if message not in _cache:
+    if not _said(message):
         _cache.add(message)
         _warn_explicit(message, category, filename, lineno)
 
@@ -100,9 +100,14 @@ def _first_frame_outside(packages: Iterable[str]) -> tuple[str, int] | None:
     return None
 
 
+def _said(message: str) -> bool:
+    """Whether ``message`` was given already (and is not to be given again)."""
+    return message in _cache
+
+
 def _warn_once_outside(message: str, packages: Iterable[str], category: type[Warning] = StoreOnCPUWarning) -> None:
     """As :func:`_warn_once_at`, at the innermost caller outside this package and ``packages`` (see above)."""
-    if message in _cache:
+    if _said(message):
         return
     where = _first_frame_outside(packages)
     if where is not None:

@@ -212,7 +212,11 @@ def test_a_worker_process_killed_with_updates_not_read_back_is_said_by_its_signa
         r" HINT: give the job more memory",
     ) as err:
         offloaded.compute()
-    assert "__main__" not in str(err.value)  # it had started: no hint about a script's guard
+    _assert_no_guard_hint_and_going_on_after_reset(offloaded, err.value)
+
+
+def _assert_no_guard_hint_and_going_on_after_reset(offloaded, error):
+    assert "__main__" not in str(error)  # it had started: no hint about a script's guard
     offloaded.reset()
     offloaded.update(torch.ones(3))
     assert offloaded.compute() == 3.0
@@ -228,10 +232,7 @@ def test_a_worker_process_that_ended_on_an_error_is_said_with_the_error():
         r" AttributeError: '_Worker' object has no attribute '_no such message'\.",
     ) as err:
         offloaded.compute()
-    assert "__main__" not in str(err.value)
-    offloaded.reset()
-    offloaded.update(torch.ones(3))
-    assert offloaded.compute() == 3.0
+    _assert_no_guard_hint_and_going_on_after_reset(offloaded, err.value)
 
 
 def test_an_attribute_an_update_sets_that_cannot_be_pickled_is_named_and_the_worker_goes_on():

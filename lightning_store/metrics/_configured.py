@@ -84,13 +84,19 @@ class _SettledReads(Metric):
         return super().__getstate__()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        state = self.__getstate__()
-        if _in_torch_save():
-            # a file (a checkpoint) holds the plain Metric: it loads where lightning-store is not installed, and the
-            # code that configured this one (the user's `__init__`, the flag at fit start) configures it again
-            return _plain_reduce(self._base_class, _plain_state(state, self._kept_attributes))
-        # the class is made at run time: pickle makes it again from its front and the Metric's own class
-        return _remade, type(self).__bases__, state
+        return _reduce_configured(self, self.__getstate__())
+
+
+def _reduce_configured(obj: Any, state: dict[str, Any]) -> tuple[Any, ...]:
+    """What pickle writes for ``obj``, a configured Metric or collection (its class a front's), holding ``state``.
+
+    A file ``torch.save`` writes (a checkpoint) holds the plain object: it loads where lightning-store is not
+    installed, and the code that configured it (the user's `__init__`, the flag at fit start) configures it again.
+    Any other pickle makes the class again from its front and the object's own class (it is made at run time).
+    """
+    if _in_torch_save():
+        return _plain_reduce(obj._base_class, _plain_state(state, obj._kept_attributes))
+    return _remade, type(obj).__bases__, state
 
 
 # where a configured Metric keeps the attributes that configuring it changed (`dist_sync_fn`...), as they were

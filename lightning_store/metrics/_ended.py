@@ -66,9 +66,8 @@ def _main_defines(obj: Any) -> str | None:
 
 def _check_main_runs_again() -> None:
     """Raise unless a process spawned now can run this program's ``__main__`` again (it cannot from stdin)."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if getattr(main, "__spec__", None) is None and path is not None and not os.path.exists(path):
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if path is not None and _main_is_not_a_file():  # a file named, which does not exist: stdin
         raise RuntimeError(
             f"lightning-store's offload worker process cannot start: it starts as DataLoader workers do with the"
             f" `spawn` method, which runs this program's `__main__` again, and this one was read from {path}, which"

@@ -9,9 +9,14 @@ from torch import Tensor
 from torch.nn import Module
 from torchmetrics import Metric
 
-from lightning_store._compat import _in_front_of, _in_torch_save, _plain_reduce, _remade
+from lightning_store._compat import _in_front_of
 from lightning_store._gather import gather_on_device
-from lightning_store.metrics._configured import PLAIN_SETTINGS, _plain_state, _SettledReads, _sync_lists_on_device
+from lightning_store.metrics._configured import (
+    PLAIN_SETTINGS,
+    _reduce_configured,
+    _SettledReads,
+    _sync_lists_on_device,
+)
 from lightning_store.metrics._inputs import _on_cpu_now
 from lightning_store.metrics._queue import _Queue
 from lightning_store.metrics._worker import _Inline, _runs_inline
@@ -177,10 +182,7 @@ class _OffloadedContainer(Module):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         _settle(self)
-        state = self.__getstate__()
-        if _in_torch_save():  # a checkpoint: the plain collection, as `_SettledReads.__reduce_ex__`
-            return _plain_reduce(self._base_class, _plain_state(state, self._kept_attributes))
-        return _remade, type(self).__bases__, state
+        return _reduce_configured(self, self.__getstate__())
 
 
 _PROBED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
