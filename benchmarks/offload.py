@@ -72,11 +72,11 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import StoreOnCPUWarning, offload_to_cpu
-from lightning_store.metrics._in_thread import _as_at_the_call
-from lightning_store.metrics._inputs import _start_copies
-from lightning_store.metrics._inputs_shared import _Outgoing
-from lightning_store.metrics._random import _drawn, _host_states
-from lightning_store.metrics._thread_state import _CallerState
+from lightning_store.metrics._offload.caller_state import _CallerState
+from lightning_store.metrics._offload.draws import _drawn, _host_states
+from lightning_store.metrics._offload.inputs import _start_copies
+from lightning_store.metrics._offload.process.inputs import _Outgoing
+from lightning_store.metrics._offload.thread.queue import _as_at_the_call
 
 GOAL_UPDATE, GOAL_LOOP, GOAL_LAUNCH, GOAL_STEP = 0.05, 0.75, 1.10, 1.02
 GOAL_HANDOVER = 25e-6  # seconds: the caller's time per `update` of a tiny Metric, not a ratio

@@ -26,9 +26,9 @@ except ImportError as err:
         f"`lightning` {installed} is installed, but `import lightning.pytorch` failed: {err}." + hint
     ) from err
 
-from lightning_store._flag import _init_with_flag
-from lightning_store._move_metrics import _MoveMetricsToCPUHooks
-from lightning_store._namespace import _refusing_the_other_namespace
+from lightning_store._flag.hooks import _MoveMetricsToCPUHooks
+from lightning_store._flag.init import _init_with_flag
+from lightning_store._flag.namespace import _refusing_the_other_namespace
 from lightning_store.mixin import StoreOnCPUMixin
 
 _check_lightning_version("lightning")

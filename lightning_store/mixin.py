@@ -6,9 +6,10 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_store._collection import _install_on, _StoringResults
-from lightning_store._policy import _as_bool, _from_log_dict, _module_policy, _requested
-from lightning_store.metrics._offloaded import _is_offloaded
+from lightning_store._checks import _as_bool
+from lightning_store._logged.collection import _install_on, _StoringResults
+from lightning_store._logged.policy import _from_log_dict, _module_policy, _requested
+from lightning_store.metrics._offload.front import _is_offloaded
 from lightning_store.metrics._states import _metrics_in, _owns_list_states
 from lightning_store.metrics.states import _stores_states_on_cpu
 from lightning_store.warnings import _said, _warn_once, _warn_once_outside

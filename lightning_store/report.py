@@ -9,10 +9,9 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_store._collection import _loop_results
-from lightning_store._policy import _is_configured_by_flag
-from lightning_store._result import _StoredOnCPU, _syncs
-from lightning_store.metrics._offloaded import _queue_of
+from lightning_store._logged.collection import _loop_results
+from lightning_store._logged.result import _StoredOnCPU, _syncs
+from lightning_store.metrics._offload.front import _queue_of
 from lightning_store.metrics._states import _metrics_in
 from lightning_store.metrics.states import _settle_states, _stores_states_on_cpu
 
@@ -238,7 +237,7 @@ def _set_by(result: Any, offloaded: bool) -> str:
     configured = [m for m in _metrics_in(result.value) if _stores_states_on_cpu(m)]
     if not configured:
         return "-"
-    return "flag" if all(_is_configured_by_flag(m) for m in configured) else "store_states_on_cpu"
+    return "flag" if all(m._cpu_states.by_flag for m in configured) else "store_states_on_cpu"
 
 
 def _metric_syncs(metric: Metric) -> bool:

@@ -2,9 +2,9 @@
 
 import pytorch_lightning as pl
 
-from lightning_store._flag import _init_with_flag
-from lightning_store._move_metrics import _MoveMetricsToCPUHooks
-from lightning_store._namespace import _refusing_the_other_namespace
+from lightning_store._flag.hooks import _MoveMetricsToCPUHooks
+from lightning_store._flag.init import _init_with_flag
+from lightning_store._flag.namespace import _refusing_the_other_namespace
 
 __all__ = ["Trainer"]
 

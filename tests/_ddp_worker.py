@@ -13,7 +13,7 @@ from _support import REDUCTIONS, RecordingLogger, stored_tensors
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_store import StoreOnCPUMixin
-from lightning_store._result import _StoredOnCPU
+from lightning_store._logged.result import _StoredOnCPU
 
 STEPS = 3  # per rank and epoch
 

@@ -29,7 +29,7 @@ from _support import finish_rank
 from torchmetrics import CatMetric
 
 from lightning_store import store_states_on_cpu
-from lightning_store._gather import _DTYPES, _gather_elements
+from lightning_store.metrics._gather import _DTYPES, _gather_elements
 
 
 def _record(got, expected, **extra):

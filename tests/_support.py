@@ -279,7 +279,7 @@ class PlainLoggingModel(pl.LightningModule):
             expected = getattr(self.trainer, "move_metrics_to_cpu", False)
         if not self.check_storage or not expected:
             return
-        from lightning_store._result import _StoredOnCPU
+        from lightning_store._logged.result import _StoredOnCPU
 
         for key, result in self.trainer._results.items():
             if not result.is_tensor:

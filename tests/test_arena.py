@@ -2,8 +2,8 @@
 
 import torch
 
-from lightning_store.metrics._arena import _Arena
-from lightning_store.metrics._layout import ALIGNMENT
+from lightning_store.metrics._offload.layout import ALIGNMENT
+from lightning_store.metrics._offload.process.arena import _Arena
 
 
 def test_spans_are_taken_in_order_wrap_around_and_wait_when_full():

@@ -8,7 +8,7 @@ import pytorch_lightning.cli as cli_module
 from _support import CLI_AVAILABLE, CLI_REASON, PlainLoggingModel, loader
 
 from lightning_store import StoreOnCPUDeprecationWarning, Trainer
-from lightning_store._result import _StoredOnCPU
+from lightning_store._logged.result import _StoredOnCPU
 
 pytestmark = [pytest.mark.skipif(not CLI_AVAILABLE, reason=CLI_REASON), pytest.mark.usefixtures("kept_environment")]
 

@@ -9,7 +9,7 @@ from _support import LoggingModel, RecordingLogger, assert_same, loader, stored_
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, offload_to_cpu, store_states_on_cpu
-from lightning_store._result import _StoredOnCPU
+from lightning_store._logged.result import _StoredOnCPU
 
 pytestmark = [
     pytest.mark.cuda,

@@ -15,7 +15,7 @@ from torch import Tensor
 from torchmetrics import SumMetric
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics import _process_worker
+from lightning_store.metrics._offload.process import parent as _process_worker
 
 pytestmark = pytest.mark.faults
 
@@ -26,7 +26,7 @@ import gc, os, pickle, signal, sys, threading, time
 import torch
 from torchmetrics import CatMetric, SumMetric
 from lightning_store import offload_to_cpu
-from lightning_store.metrics import _process_worker
+from lightning_store.metrics._offload.process import parent as _process_worker
 """
 
 
@@ -160,7 +160,7 @@ def test_an_input_that_cannot_be_pickled_is_refused_at_the_call_and_nothing_wait
 def test_too_little_room_in_dev_shm_is_said_before_a_write_there_and_the_metric_goes_on(run):
     out = _out(
         run("""
-        from lightning_store.metrics import _arena
+        from lightning_store.metrics._offload.process import arena as _arena
         _arena._room = lambda: (2**20, 64 * 2**20)  # a Docker container's /dev/shm, nearly full
         metric = offload_to_cpu(CatMetric(), worker="process")
         metric.update(torch.ones(2))
@@ -445,7 +445,7 @@ def test_the_worker_process_ends_soon_after_its_parent_though_another_process_ke
 def test_a_wait_for_a_worker_thread_that_ended_raises_rather_than_hangs(run):
     out = _out(
         run("""
-        from lightning_store.metrics import _worker
+        from lightning_store.metrics._offload.thread import worker as _worker
         _worker._Worker.liveness_s = 0.2
         _worker._Worker._loop = lambda self: None  # a thread that ends at once, as if by a bug
         metric = offload_to_cpu(SumMetric())

@@ -5,8 +5,8 @@ it, so none is made here)."""
 import pytest
 import torch
 
-from lightning_store import _gather
-from lightning_store._gather import _DTYPES, _gather_elements
+from lightning_store.metrics import _gather
+from lightning_store.metrics._gather import _DTYPES, _gather_elements
 
 
 def test_a_dtype_it_cannot_number_is_refused_with_the_dtypes_it_can(monkeypatch):

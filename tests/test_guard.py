@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._worker import _get_worker
+from lightning_store.metrics._offload.thread.worker import _get_worker
 
 
 class Subsamples(SumMetric):

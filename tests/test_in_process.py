@@ -22,8 +22,8 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, Multicl
 from torchmetrics.wrappers import MetricTracker
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics import _process_worker
-from lightning_store.metrics._offloaded import _queue_of
+from lightning_store.metrics._offload.front import _queue_of
+from lightning_store.metrics._offload.process import parent as _process_worker
 
 
 def _pair(make):
@@ -289,7 +289,7 @@ def test_inputs_whose_copies_land_late_are_sent_once_landed_in_order(monkeypatch
     """As CUDA inputs: copied without a host sync, written into the arena and sent when the copy has landed."""
     from _support import ManualTransfer
 
-    from lightning_store.metrics import _inputs_shared
+    from lightning_store.metrics._offload.process import inputs as _inputs_shared
 
     transfer = ManualTransfer()
     monkeypatch.setattr(_inputs_shared, "_transfer_for", lambda device: transfer)

@@ -9,7 +9,7 @@ from torch import Tensor
 from torchmetrics import CatMetric, MeanMetric, SumMetric
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics import _inputs
+from lightning_store.metrics._offload import inputs as _inputs
 
 
 def _randn(*shape: int, seed: int = 0) -> Tensor:

@@ -8,7 +8,7 @@ import torch
 from torchmetrics import CatMetric, MeanMetric
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._worker import _get_worker
+from lightning_store.metrics._offload.thread.worker import _get_worker
 
 NAN = torch.tensor([1.0, float("nan")])
 

@@ -14,7 +14,7 @@ L = pytest.importorskip("lightning.pytorch")
 from torchmetrics.classification import BinaryAUROC  # noqa: E402
 
 from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, _compat  # noqa: E402
-from lightning_store._result import _StoredOnCPU  # noqa: E402
+from lightning_store._logged.result import _StoredOnCPU  # noqa: E402
 from lightning_store.lightning import Trainer  # noqa: E402
 from lightning_store.metrics.states import _stores_states_on_cpu  # noqa: E402
 

@@ -13,7 +13,7 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, StorePolicyError, offload_to_cpu, store_states_on_cpu
-from lightning_store._result import _StoredOnCPU
+from lightning_store._logged.result import _StoredOnCPU
 from lightning_store.metrics.states import _stores_states_on_cpu
 
 result_module = pytest.importorskip("pytorch_lightning.trainer.connectors.logger_connector.result")
@@ -567,7 +567,7 @@ def copies_land_late(monkeypatch):
     """Every value reaches the CPU through copies that land only when a read waits for them."""
     from _support import ManualTransfer
 
-    from lightning_store import _result
+    from lightning_store._logged import result as _result
 
     transfer = ManualTransfer()
     monkeypatch.setattr(_result, "_transfer_for", lambda device: transfer)

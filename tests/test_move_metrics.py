@@ -35,12 +35,12 @@ from lightning_store import (
     StoreOnCPUDeprecationWarning,
     StoreOnCPUWarning,
     Trainer,
-    _collection,
     _compat,
-    _move_metrics,
 )
-from lightning_store._collection import _StoringResults
-from lightning_store._result import _StoredOnCPU
+from lightning_store._flag import hooks as _move_metrics
+from lightning_store._logged import collection as _collection
+from lightning_store._logged.collection import _StoringResults
+from lightning_store._logged.result import _StoredOnCPU
 from lightning_store.metrics.states import _stores_states_on_cpu
 
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_store._policy import _as_bool, _module_policy
+from lightning_store._checks import _as_bool
+from lightning_store._logged.policy import _module_policy
 
 
 class _Module:

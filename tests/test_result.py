@@ -3,8 +3,8 @@ import torch
 from _support import REDUCTIONS, ManualTransfer, assert_same
 from pytorch_lightning.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
 
-from lightning_store import _result
-from lightning_store._result import _stored_on_cpu_class, _StoredOnCPU
+from lightning_store._logged import result as _result
+from lightning_store._logged.result import _stored_on_cpu_class, _StoredOnCPU
 
 VALUES = [(1.5, 4), (-2.25, 4), (float("nan"), 2), (7.0, 3), (0.125, 1)]
 

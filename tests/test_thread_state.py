@@ -14,7 +14,7 @@ from torchmetrics.image import StructuralSimilarityIndexMeasure
 from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._worker import _get_worker
+from lightning_store.metrics._offload.thread.worker import _get_worker
 
 
 def _cpu_autocast() -> tuple[bool, bool]:

@@ -9,8 +9,8 @@ import torch
 from _support import CLI_AVAILABLE, CLI_REASON, LoggingModel, assert_same, loader
 
 from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, StoreOnCPUWarning, Trainer, _compat
-from lightning_store._collection import _StoringResults
-from lightning_store._result import _StoredOnCPU
+from lightning_store._logged.collection import _StoringResults
+from lightning_store._logged.result import _StoredOnCPU
 
 
 def _stored(trainer):

@@ -13,7 +13,7 @@ import os, pickle, sys, threading, time
 import torch
 from torchmetrics import CatMetric, Metric, SumMetric
 from lightning_store import offload_to_cpu
-from lightning_store.metrics import _worker
+from lightning_store.metrics._offload.thread import worker as _worker
 
 
 class Slow(SumMetric):

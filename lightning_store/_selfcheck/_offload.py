@@ -10,7 +10,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offloaded import _queue_of
+from lightning_store.metrics._offload.front import _queue_of
 
 from ._core import Context, Outcome, Skip
 from ._cuda import _BlockedWaits, host_syncs, require_cuda

@@ -3,7 +3,7 @@
 The other half of the package, ``self.log(..., store_on_cpu=True)``, is what Lightning keeps for logged values.
 """
 
-from lightning_store._gather import gather_on_device
+from lightning_store.metrics._gather import gather_on_device
 from lightning_store.metrics.offload import offload_to_cpu
 from lightning_store.metrics.states import store_states_on_cpu
 

@@ -11,7 +11,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_store._compat import _in_front_of, _in_torch_save, _plain_reduce, _remade
-from lightning_store._gather import DEFAULT_CHUNK_BYTES, _gather_elements, gather_on_device
+from lightning_store.metrics._gather import DEFAULT_CHUNK_BYTES, _gather_elements, gather_on_device
 from lightning_store.metrics._states import _CPU, _collect, _CPUStates, _list_states, _settle
 
 

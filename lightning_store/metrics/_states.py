@@ -21,13 +21,14 @@ class _CPUStates:
     pickled, and its unpickled copy starts with none in flight.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, by_flag: bool = False) -> None:
+        self.by_flag = by_flag  # configured by `Trainer(move_metrics_to_cpu=True)`, not by the user
         self.buffer: _CopyBuffer | None = None
         self.pending: set[int] = set()  # ids of the device tensors in flight
         self.paused = 0  # inside `forward`, which works on the batch's state
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"buffer": None, "pending": set(), "paused": 0}
+        return {"by_flag": False, "buffer": None, "pending": set(), "paused": 0}
 
     def put(self, owner: Metric, attr: str, state: list, index: int) -> None:
         tensor = state[index]

@@ -7,14 +7,14 @@ from torch.nn import Module
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.wrappers import BootStrapper, MetricTracker
 
-from lightning_store._gather import _is_gather_on_device, gather_on_device
-from lightning_store._policy import _check_positive_int
+from lightning_store._checks import _check_positive_int
 from lightning_store.metrics._configured import _remember_plain_settings, _settling, _StatesOnCPU
-from lightning_store.metrics._ended import _main_defines
-from lightning_store.metrics._in_process import _ProcessQueue
-from lightning_store.metrics._in_thread import _ThreadQueue
-from lightning_store.metrics._offloaded import _is_offloaded, _offloaded_class, _offloading, _queue_of
-from lightning_store.metrics._queue import DEFAULT_MAX_PENDING, _Queue
+from lightning_store.metrics._gather import _is_gather_on_device, gather_on_device
+from lightning_store.metrics._offload.front import _is_offloaded, _offloaded_class, _offloading, _queue_of
+from lightning_store.metrics._offload.process.ended import _main_defines
+from lightning_store.metrics._offload.process.queue import _ProcessQueue
+from lightning_store.metrics._offload.queue import DEFAULT_MAX_PENDING, _Queue
+from lightning_store.metrics._offload.thread.queue import _ThreadQueue
 from lightning_store.metrics.states import _ACCEPTED, _check_configurable
 
 __all__ = ["offload_to_cpu"]

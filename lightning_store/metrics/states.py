@@ -7,8 +7,7 @@ from torch.nn import Module
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.wrappers import MetricTracker
 
-from lightning_store._gather import DEFAULT_CHUNK_BYTES, _check_chunk_bytes, _is_gather_on_device, gather_on_device
-from lightning_store._policy import _type_name
+from lightning_store._checks import _type_name
 from lightning_store.metrics._configured import (
     _class_for,
     _collecting,
@@ -16,7 +15,13 @@ from lightning_store.metrics._configured import (
     _settling,
     _StatesOnCPU,
 )
-from lightning_store.metrics._offloaded import _is_offloaded
+from lightning_store.metrics._gather import (
+    DEFAULT_CHUNK_BYTES,
+    _check_chunk_bytes,
+    _is_gather_on_device,
+    gather_on_device,
+)
+from lightning_store.metrics._offload.front import _is_offloaded
 from lightning_store.metrics._states import _collect, _CPUStates, _owns_list_states, _settle
 from lightning_store.warnings import _warn_once
 
@@ -135,10 +140,13 @@ def store_states_on_cpu(metric: _Configurable, *, chunk_bytes: int = DEFAULT_CHU
     return metric
 
 
-def _configure_together(holders: list[Metric], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-    """Configure ``holders``, Metrics with list states of their own, with one buffer: those already configured's."""
+def _configure_together(holders: list[Metric], chunk_bytes: int = DEFAULT_CHUNK_BYTES, by_flag: bool = False) -> None:
+    """Configure ``holders``, Metrics with list states of their own, with one buffer: those already configured's.
+
+    ``by_flag``: ``Trainer(move_metrics_to_cpu=True)`` configures them, not the user (for ``storage_report``).
+    """
     configured = [m._cpu_states for m in holders if isinstance(m, _StatesOnCPU)]
-    states = configured[0] if configured else _CPUStates()
+    states = configured[0] if configured else _CPUStates(by_flag)
     for holder in holders:
         _configure(holder, states, chunk_bytes)
 

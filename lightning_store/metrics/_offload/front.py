@@ -10,16 +10,16 @@ from torch.nn import Module
 from torchmetrics import Metric
 
 from lightning_store._compat import _in_front_of
-from lightning_store._gather import gather_on_device
 from lightning_store.metrics._configured import (
     PLAIN_SETTINGS,
     _reduce_configured,
     _SettledReads,
     _sync_lists_on_device,
 )
-from lightning_store.metrics._inputs import _on_cpu_now
-from lightning_store.metrics._queue import _Queue
-from lightning_store.metrics._worker import _Inline, _runs_inline
+from lightning_store.metrics._gather import gather_on_device
+from lightning_store.metrics._offload.inputs import _on_cpu_now
+from lightning_store.metrics._offload.queue import _Queue
+from lightning_store.metrics._offload.thread.worker import _Inline, _runs_inline
 from lightning_store.warnings import _warn_once_outside
 
 _CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_store._policy import _check_positive_int
+from lightning_store._checks import _check_positive_int
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 

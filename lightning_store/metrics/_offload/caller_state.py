@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_store.metrics._guard import _Refused
+from lightning_store.metrics._offload.guard import _Refused
 
 _Key = torch._C.DispatchKey
 _KeySet = torch._C.DispatchKeySet

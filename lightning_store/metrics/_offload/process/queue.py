@@ -8,13 +8,14 @@ from typing import Any
 
 from torch.nn import Module
 
-from lightning_store.metrics import _pickling, _process_worker
-from lightning_store.metrics._ended import _RESET, _why_not_made
-from lightning_store.metrics._guard import _Refused
-from lightning_store.metrics._inputs_shared import _Outgoing
-from lightning_store.metrics._queue import _Failure, _Queue, _wait_for_room
-from lightning_store.metrics._thread_state import _CallerState
-from lightning_store.metrics._worker import _Inline
+from lightning_store.metrics._offload.caller_state import _CallerState
+from lightning_store.metrics._offload.guard import _Refused
+from lightning_store.metrics._offload.process import parent as _process_worker
+from lightning_store.metrics._offload.process import pickling as _pickling
+from lightning_store.metrics._offload.process.ended import _RESET, _why_not_made
+from lightning_store.metrics._offload.process.inputs import _Outgoing
+from lightning_store.metrics._offload.queue import _Failure, _Queue, _wait_for_room
+from lightning_store.metrics._offload.thread.worker import _Inline
 
 
 class _ProcessQueue(_Queue):

@@ -10,13 +10,13 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_store.metrics._guard import _WorkerGuard
-from lightning_store.metrics._inputs import _land, _start_copies
-from lightning_store.metrics._queue import _Failure, _Queue, _wait_for_room
-from lightning_store.metrics._random import _drawn, _host_states, _Suspect, _trial_draws
-from lightning_store.metrics._thread_state import _CallerState
-from lightning_store.metrics._warnings import _kept_warnings, _users_frame
-from lightning_store.metrics._worker import _get_worker, _Inline, _Job
+from lightning_store.metrics._offload.caller_state import _CallerState
+from lightning_store.metrics._offload.draws import _drawn, _host_states, _Suspect, _trial_draws
+from lightning_store.metrics._offload.guard import _WorkerGuard
+from lightning_store.metrics._offload.inputs import _land, _start_copies
+from lightning_store.metrics._offload.kept_warnings import _kept_warnings, _users_frame
+from lightning_store.metrics._offload.queue import _Failure, _Queue, _wait_for_room
+from lightning_store.metrics._offload.thread.worker import _get_worker, _Inline, _Job
 from lightning_store.warnings import _warn_once_at
 
 

@@ -11,15 +11,14 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from lightning_store.metrics import _pickling
-from lightning_store.metrics._arena import _Arena
-from lightning_store.metrics._ended import _check_main_runs_again, _why_ended
-from lightning_store.metrics._inputs_shared import _Outgoing
-from lightning_store.metrics._space import _Space
-from lightning_store.metrics._thread_state import _CallerState
+from lightning_store.metrics._offload.caller_state import _CallerState
+from lightning_store.metrics._offload.process import pickling as _pickling
+from lightning_store.metrics._offload.process.arena import _Arena, _Space
+from lightning_store.metrics._offload.process.ended import _check_main_runs_again, _why_ended
+from lightning_store.metrics._offload.process.inputs import _Outgoing
 
 if TYPE_CHECKING:
-    from lightning_store.metrics._in_process import _ProcessQueue
+    from lightning_store.metrics._offload.process.queue import _ProcessQueue
 
 _LIVENESS_S = 5.0  # as torch's DataLoader: a wait for an answer looks this often whether the worker process lives
 _IDLE_S = 10.0  # once every offloaded object is gone, the worker process ends after this (a new one starts if need be)
@@ -89,7 +88,7 @@ class _ProcessWorker:
             process.terminate()
 
     def start(self) -> None:
-        from lightning_store.metrics._child import _serve
+        from lightning_store.metrics._offload.process.child import _serve
 
         _check_main_runs_again()
         context = multiprocessing.get_context("spawn")

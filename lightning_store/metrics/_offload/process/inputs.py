@@ -8,10 +8,10 @@ import torch
 from torch import Tensor
 
 from lightning_store._buffer import _Copy, _transfer_for
-from lightning_store.metrics._arena import _aligned, _Arena
-from lightning_store.metrics._inputs import _map_inputs, _small_and_whole
-from lightning_store.metrics._layout import Flags, as_passed, flags, misalignment, spanned, unflagged
-from lightning_store.metrics._pickling import _tensor
+from lightning_store.metrics._offload.inputs import _map_inputs, _small_and_whole
+from lightning_store.metrics._offload.layout import Flags, as_passed, flags, misalignment, spanned, unflagged
+from lightning_store.metrics._offload.process.arena import _aligned, _Arena
+from lightning_store.metrics._offload.process.pickling import _tensor
 
 
 class _InArena:

@@ -9,7 +9,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_store._buffer import _Copy, _Landed, _transfer_for
-from lightning_store.metrics._layout import as_passed, flags, misalignment, spanned, unflagged
+from lightning_store.metrics._offload.layout import as_passed, flags, misalignment, spanned, unflagged
 
 # torch < 2.4 fails an op on a tensor subclass under a dispatch mode, as the worker thread's guard is
 _SUBCLASSES_UNDER_A_MODE = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 4)

@@ -11,9 +11,9 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch.nn import Module, ModuleDict, ModuleList, Sequential
 from torchmetrics import Metric
 
-from lightning_store._collection import _install_on
-from lightning_store._policy import _as_bool, _by_flag, _type_name
-from lightning_store.metrics._offloaded import _is_offloaded
+from lightning_store._checks import _as_bool, _type_name
+from lightning_store._logged.collection import _install_on
+from lightning_store.metrics._offload.front import _is_offloaded
 from lightning_store.metrics._states import _owns_list_states
 from lightning_store.metrics.states import _ACCEPTED, _configure_together, _is_gather_on_device, _stores_states_on_cpu
 from lightning_store.warnings import _warn_once_at, _warn_once_outside
@@ -77,8 +77,7 @@ def _store_states_of_torchmetrics(module: Module) -> None:
         else:
             chosen[code] = metric
     if chosen:
-        _configure_together(list(chosen.values()))
-        _by_flag(chosen.values())
+        _configure_together(list(chosen.values()), by_flag=True)
         named = ", ".join(f"`{code}` ({type(metric).__name__})" for code, metric in chosen.items())
         rank_zero_info(
             f"`Trainer(move_metrics_to_cpu=True)` keeps the list states of {named} on the CPU, as"

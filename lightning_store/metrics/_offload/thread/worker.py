@@ -7,8 +7,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from lightning_store.metrics._queue import _Failure
-from lightning_store.metrics._warnings import _install, _uninstall
+from lightning_store.metrics._offload.kept_warnings import _install, _uninstall
+from lightning_store.metrics._offload.queue import _Failure
 
 _local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
 

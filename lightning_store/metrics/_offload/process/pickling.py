@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_store.metrics._layout import spanned
+from lightning_store.metrics._offload.layout import spanned
 
 
 class _Pickler(pickle.Pickler):

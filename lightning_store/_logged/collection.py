@@ -5,14 +5,14 @@ from typing import Any
 import torch
 
 from lightning_store._compat import _in_front_of, _remade
-from lightning_store._policy import _requested
-from lightning_store._result import _policy_changed, _stored_on_cpu_class, _StoredOnCPU
+from lightning_store._logged.policy import _requested
+from lightning_store._logged.result import _policy_changed, _stored_on_cpu_class, _StoredOnCPU
 
 
 class _StoringResults:
     """Put in front of Lightning's ``_ResultCollection`` (see :func:`_install`): one storage policy per call.
 
-    A tensor logged with ``store_on_cpu=True`` (the module's answer, in :data:`~._policy._requested`) or, where the
+    A tensor logged with ``store_on_cpu=True`` (the module's answer, in ``_logged.policy._requested``) or, where the
     module leaves it open, under ``Trainer(move_metrics_to_cpu=True)`` (``_move_metrics_to_cpu``) is kept by a
     :class:`~._result._StoredOnCPU`; every other call is Lightning's own. A ``Metric`` is always Lightning's.
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from pytorch_lightning.utilities.argparse import _defaults_from_env_vars
 
-from lightning_store._cli import _cli_source
-from lightning_store._policy import _as_bool
+from lightning_store._checks import _as_bool
+from lightning_store._flag.cli import _cli_source
 from lightning_store.warnings import StoreOnCPUDeprecationWarning, _warn_once_at, _warn_once_outside
 
 # what builds a Trainer from a config between the user's line and the Trainer's `__init__` (`LightningCLI`: `_cli`)

@@ -1,0 +1,1 @@
+"""What ``self.log(..., store_on_cpu=True)`` stores: the option's resolution, the Trainer's results, each result."""
