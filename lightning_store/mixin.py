@@ -9,9 +9,7 @@ from torchmetrics import Metric
 from lightning_store._checks import _as_bool
 from lightning_store._logged.collection import _install_on, _StoringResults
 from lightning_store._logged.policy import _from_log_dict, _module_policy, _requested
-from lightning_store.metrics._offload.front import _is_offloaded
-from lightning_store.metrics._states import _metrics_in, _owns_list_states
-from lightning_store.metrics.states import _stores_states_on_cpu
+from lightning_store.metrics._reads import _is_offloaded, _metrics_in, _owns_list_states, _stores_states_on_cpu
 from lightning_store.warnings import _said, _warn_once, _warn_once_outside
 
 if TYPE_CHECKING:

@@ -11,9 +11,13 @@ from torchmetrics import Metric
 
 from lightning_store._logged.collection import _loop_results
 from lightning_store._logged.result import _StoredOnCPU, _syncs
-from lightning_store.metrics._offload.front import _queue_of
-from lightning_store.metrics._states import _metrics_in
-from lightning_store.metrics.states import _settle_states, _stores_states_on_cpu
+from lightning_store.metrics._reads import (
+    _configured_by_flag,
+    _metrics_in,
+    _queue_of,
+    _settle_states,
+    _stores_states_on_cpu,
+)
 
 __all__ = ["KeyStorage", "format_storage_report", "storage_report"]
 
@@ -237,7 +241,7 @@ def _set_by(result: Any, offloaded: bool) -> str:
     configured = [m for m in _metrics_in(result.value) if _stores_states_on_cpu(m)]
     if not configured:
         return "-"
-    return "flag" if all(m._cpu_states.by_flag for m in configured) else "store_states_on_cpu"
+    return "flag" if all(map(_configured_by_flag, configured)) else "store_states_on_cpu"
 
 
 def _metric_syncs(metric: Metric) -> bool:

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import BinaryAUROC
 
 import lightning_store
-from lightning_store.metrics.states import _stores_states_on_cpu
+from lightning_store.metrics._reads import _stores_states_on_cpu
 
 STEPS = 3  # per rank and epoch
 

@@ -32,7 +32,7 @@ from torchmetrics.classification import (
 )
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offload.front import _is_offloaded, _queue_of
+from lightning_store.metrics._reads import _is_offloaded, _queue_of
 
 SLOW_S = 0.01  # how long a slow update takes, on the rank that is slow
 WORKER = os.environ.get("OFFLOAD_WORKER", "thread")  # the worker every Metric here is offloaded to

@@ -6,7 +6,7 @@ import torch
 from _support import ManualTransfer
 
 from lightning_store import warnings as store_warnings
-from lightning_store.metrics import _states
+from lightning_store.metrics import _states_on_cpu as _states
 
 
 @pytest.fixture(autouse=True)

@@ -18,8 +18,8 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_store import StoreOnCPUDeprecationWarning, Trainer, offload_to_cpu, store_states_on_cpu
-from lightning_store.metrics._configured import _StatesOnCPU
-from lightning_store.metrics._offload.front import _is_offloaded
+from lightning_store.metrics._reads import _is_offloaded
+from lightning_store.metrics._states_on_cpu import _StatesOnCPU
 
 pytestmark = [
     # Lightning's advice against a Module in the hyperparameters: the case these tests are about

@@ -23,8 +23,8 @@ from torchmetrics import CatMetric, MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_store import store_states_on_cpu
-from lightning_store.metrics import _states as states
-from lightning_store.metrics.states import _stores_states_on_cpu
+from lightning_store.metrics import _configured as states
+from lightning_store.metrics._reads import _stores_states_on_cpu
 
 WORKER = Path(__file__).with_name("_states_ddp_worker.py")
 

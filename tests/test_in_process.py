@@ -22,8 +22,8 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, Multicl
 from torchmetrics.wrappers import MetricTracker
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offload.front import _queue_of
 from lightning_store.metrics._offload.process import parent as _process_worker
+from lightning_store.metrics._reads import _queue_of
 
 
 def _pair(make):

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
 from lightning_store import StoreOnCPUWarning, offload_to_cpu, storage_report
-from lightning_store.metrics._offload.front import _queue_of
 from lightning_store.metrics._offload.queue import WINDOW
+from lightning_store.metrics._reads import _queue_of
 
 
 class Slow(SumMetric):

@@ -16,7 +16,7 @@ from torchmetrics.classification import BinaryAUROC  # noqa: E402
 from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUMixin, _compat  # noqa: E402
 from lightning_store._logged.result import _StoredOnCPU  # noqa: E402
 from lightning_store.lightning import Trainer  # noqa: E402
-from lightning_store.metrics.states import _stores_states_on_cpu  # noqa: E402
+from lightning_store.metrics._reads import _stores_states_on_cpu  # noqa: E402
 
 
 class Model(StoreOnCPUMixin, L.LightningModule):

@@ -23,8 +23,9 @@ from lightning_store import (
     storage_report,
     store_states_on_cpu,
 )
-from lightning_store.metrics import _states as states
-from lightning_store.metrics import states as ms
+from lightning_store.metrics import _configured as states
+from lightning_store.metrics import _reads as ms
+from lightning_store.metrics._states_on_cpu import _StatesOnCPU
 
 WORKER = Path(__file__).with_name("_metric_ddp_worker.py")
 SIZES = (5, 7, 3, 6)  # uneven batches
@@ -147,7 +148,7 @@ def test_calling_it_twice_is_harmless_and_sets_chunk_bytes():
         metric.update(*args)
     update = metric.update
     assert store_states_on_cpu(metric, chunk_bytes=1024) is metric
-    assert metric.update is update and type(metric).__mro__.count(ms._StatesOnCPU) == 1
+    assert metric.update is update and type(metric).__mro__.count(_StatesOnCPU) == 1
     assert metric.dist_sync_fn.keywords == {"chunk_bytes": 1024}
     assert len(metric.preds) == 2
 

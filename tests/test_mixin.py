@@ -14,7 +14,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, StorePolicyError, offload_to_cpu, store_states_on_cpu
 from lightning_store._logged.result import _StoredOnCPU
-from lightning_store.metrics.states import _stores_states_on_cpu
+from lightning_store.metrics._reads import _stores_states_on_cpu
 
 result_module = pytest.importorskip("pytorch_lightning.trainer.connectors.logger_connector.result")
 

@@ -41,7 +41,7 @@ from lightning_store._flag import hooks as _move_metrics
 from lightning_store._logged import collection as _collection
 from lightning_store._logged.collection import _StoringResults
 from lightning_store._logged.result import _StoredOnCPU
-from lightning_store.metrics.states import _stores_states_on_cpu
+from lightning_store.metrics._reads import _stores_states_on_cpu
 
 
 def _flag_trainer(**kwargs):

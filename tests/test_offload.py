@@ -23,8 +23,8 @@ from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.wrappers import BootStrapper, MetricTracker
 
 from lightning_store import gather_on_device, offload_to_cpu, store_states_on_cpu
-from lightning_store.metrics._offload.front import _queue_of
 from lightning_store.metrics._offload.thread.worker import _get_worker
+from lightning_store.metrics._reads import _queue_of
 
 GATE = threading.Event()  # held by `Gated.update`: closed, updates stay queued; a Metric must deep-copy, so not held
 

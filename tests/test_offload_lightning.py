@@ -14,7 +14,7 @@ from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryPreci
 
 import lightning_store
 from lightning_store import offload_to_cpu, storage_report
-from lightning_store.metrics._offload.front import _is_offloaded, _queue_of
+from lightning_store.metrics._reads import _is_offloaded, _queue_of
 
 
 def _data(seed: int = 0) -> DataLoader:

@@ -11,8 +11,8 @@ from torch import Tensor
 from torchmetrics import SumMetric
 
 from lightning_store import StoreOnCPUWarning, offload_to_cpu
-from lightning_store.metrics._offload.front import _queue_of
 from lightning_store.metrics._offload.thread.worker import _get_worker
+from lightning_store.metrics._reads import _queue_of
 
 HOST_DRAWS = {name: draw for name, draw in DRAWS.items() if name != "torch's CPU"}  # torch's: `test_guard.py`
 

@@ -17,7 +17,7 @@ from lightning_store import (
     storage_report,
     store_states_on_cpu,
 )
-from lightning_store.metrics._offload.front import _queue_of
+from lightning_store.metrics._reads import _queue_of
 
 
 class _ReportModel(StoreOnCPUMixin, pl.LightningModule):

@@ -13,9 +13,14 @@ from torchmetrics import Metric
 
 from lightning_store._checks import _as_bool, _type_name
 from lightning_store._logged.collection import _install_on
-from lightning_store.metrics._offload.front import _is_offloaded
-from lightning_store.metrics._states import _owns_list_states
-from lightning_store.metrics.states import _ACCEPTED, _configure_together, _is_gather_on_device, _stores_states_on_cpu
+from lightning_store.metrics._reads import (
+    _ACCEPTED,
+    _configure_together,
+    _is_gather_on_device,
+    _is_offloaded,
+    _owns_list_states,
+    _stores_states_on_cpu,
+)
 from lightning_store.warnings import _warn_once_at, _warn_once_outside
 
 OPT_OUT = "move_metrics_to_cpu"  # `metric.move_metrics_to_cpu = False` leaves a Metric (or a collection) alone

@@ -1,4 +1,4 @@
-"""The class put in front of a configured Metric's own: the same Metric, with its list states on the CPU."""
+"""What the fronts of configured Metrics share: reads that settle first, checkpoints of the plain Metric, CPU states."""
 
 import functools
 from collections.abc import Callable
@@ -10,18 +10,10 @@ from torch.nn import Module
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
-from lightning_store._compat import _in_front_of, _in_torch_save, _plain_reduce, _remade
-from lightning_store.metrics._gather import DEFAULT_CHUNK_BYTES, _gather_elements, gather_on_device
-from lightning_store.metrics._states import _CPU, _collect, _CPUStates, _list_states, _settle
+from lightning_store._compat import _in_torch_save, _plain_reduce, _remade
+from lightning_store.metrics._gather import DEFAULT_CHUNK_BYTES, _gather_elements
 
-
-def _collecting(metric: Metric, update: Callable) -> Callable:
-    @functools.wraps(update)
-    def update_then_collect(*args: Any, **kwargs: Any) -> None:
-        update(*args, **kwargs)
-        _collect(metric)
-
-    return update_then_collect
+_CPU = torch.device("cpu")
 
 
 def _settling(metric: Metric, compute: Callable) -> Callable:
@@ -115,75 +107,6 @@ def _remember_plain_settings(metric: Metric, *names: str) -> None:
     metric.__dict__[PLAIN_SETTINGS] = {name: getattr(metric, name) for name in names}
 
 
-class _StatesOnCPU(_SettledReads):
-    """Put in front of the class of a Metric given to ``store_states_on_cpu`` (see :func:`_class_for`)."""
-
-    _cpu_states: _CPUStates
-    _kept_attributes = ("_cpu_states", PLAIN_SETTINGS)  # see `_compat._in_front_of`
-
-    def _settle_states(self) -> None:
-        _settle(self)
-
-    def _after_load(self) -> None:
-        _settle(self)  # a state loaded or merged from a device is copied to the CPU
-
-    def _wrap_update(self, update: Callable) -> Callable:
-        return _collecting(self, super()._wrap_update(update))
-
-    @torch.jit.unused
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """As the Metric's own ``forward``, without a host sync when that is ``Metric.forward``."""
-        states = self._cpu_states
-        if states.paused:
-            return super().forward(*args, **kwargs)
-        kept: dict[str, list] = {}
-        if _forward_of(type(self)) is Metric.forward and self.full_state_update is False and not self.dist_sync_on_step:
-            # torchmetrics resets the state, updates it with the batch, computes, then puts the accumulated state
-            # in front: the accumulated lists are set aside and put in front again, without a copy of a tensor
-            kept = {attr: getattr(self, attr) for attr in _list_states(self)}
-            for attr in kept:
-                setattr(self, attr, [])
-        else:
-            _settle(self)  # the update may read the accumulated state (or sync the batch's): all of it on the CPU
-        states.paused += 1
-        try:
-            return super().forward(*args, **kwargs)
-        finally:
-            states.paused -= 1
-            for attr, state in kept.items():  # a new list, as torchmetrics makes: compute groups share the old one
-                setattr(self, attr, state + getattr(self, attr))
-            _collect(self)
-
-    def sync(
-        self,
-        dist_sync_fn: Callable | None = None,
-        process_group: Any | None = None,
-        should_sync: bool = True,
-        distributed_available: Callable | None = None,
-    ) -> None:
-        _settle(self)
-        super().sync(
-            dist_sync_fn=dist_sync_fn or self.dist_sync_fn,
-            process_group=process_group,
-            should_sync=should_sync,
-            distributed_available=distributed_available,
-        )
-
-    def _sync_dist(self, dist_sync_fn: Callable = gather_on_device, process_group: Any | None = None) -> None:
-        device = self.device if self._cpu_states.paused else _CPU
-        _sync_lists_on_device(self, super()._sync_dist, dist_sync_fn, process_group, device)
-
-    def _apply(self, fn: Callable, exclude_state: Any = "") -> Module:
-        # `.to()`, `.cuda()`, `set_dtype()`... reach every state through `fn`. The list states stay on the CPU: their
-        # elements get only the dtype `fn` gives (a copy in flight first lands if that changes any).
-        dtypes = {dtype: _dtype_after(fn, dtype) for dtype in {t.dtype for t in _elements(self)}}
-        if any(before != after for before, after in dtypes.items()):
-            _settle(self)
-        keep = functools.partial(_keep_on_cpu, fn, {id(t) for t in _elements(self)}, dtypes)
-        # `keep` shows `fn` in its repr, from which torchmetrics tells a `.half()` from a `.to()`
-        return super()._apply(keep, exclude_state) if exclude_state else super()._apply(keep)
-
-
 def _sync_lists_on_device(
     metric: Metric, sync_dist: Callable, dist_sync_fn: Callable, process_group: Any | None, device: torch.device
 ) -> None:
@@ -225,33 +148,48 @@ def _sync_lists_on_device(
         setattr(metric, attr, reduction(ordered) if reduction is not None and ordered else ordered)
 
 
-def _elements(metric: Metric) -> list[Tensor]:
-    """The tensors in the list states of ``metric``."""
-    lists = [
-        state for state in map(functools.partial(getattr, metric), _list_states(metric)) if isinstance(state, list)
-    ]
-    return [t for state in lists for t in state if isinstance(t, Tensor)]
+def _kept_on_cpu(fn: Callable, probes: dict[torch.dtype, Tensor], tensor: Tensor, moved: bool = True) -> Tensor:
+    """What a state on the CPU becomes under ``fn`` (an ``_apply``'s: ``.to()``, ``.cuda()``, ``.half()``...).
 
-
-def _dtype_after(fn: Callable, dtype: torch.dtype) -> torch.dtype:
-    """The dtype ``fn`` gives a tensor of ``dtype``: asked of an empty tensor, which no device copies or syncs for."""
-    return fn(torch.empty(0, dtype=dtype)).dtype
-
-
-def _keep_on_cpu(fn: Callable, elements: set[int], dtypes: dict[torch.dtype, torch.dtype], tensor: Tensor) -> Tensor:
-    if id(tensor) not in elements:
+    ``fn(tensor)`` where ``fn`` keeps a tensor on the CPU (a dtype, ``share_memory``) and ``moved``; else only the
+    dtype ``fn`` gives, on the CPU. What ``fn`` does is asked of an empty tensor of the same dtype, once per dtype
+    (``probes``), which copies or syncs nothing. A list state's element of ``store_states_on_cpu`` is not
+    ``moved``: it may be a device tensor whose copy to the CPU is in flight, and takes its place when it lands.
+    """
+    if tensor.dtype not in probes:
+        probes[tensor.dtype] = fn(torch.empty(0, dtype=tensor.dtype))
+    probe = probes[tensor.dtype]
+    if probe.device == _CPU and moved:
         return fn(tensor)
-    after = dtypes[tensor.dtype]
-    return tensor if after == tensor.dtype else tensor.to(dtype=after)
+    return tensor if probe.dtype == tensor.dtype else tensor.to(dtype=probe.dtype)
 
 
-@functools.cache
-def _forward_of(metric_class: type) -> Callable:
-    """The ``forward`` that the Metric's own class runs (after ``_StatesOnCPU`` in its MRO)."""
-    after = metric_class.__mro__[metric_class.__mro__.index(_StatesOnCPU) + 1 :]
-    return next(vars(c)["forward"] for c in after if "forward" in vars(c))
+# where an offloaded Metric (or collection) keeps its queue, in its `__dict__`
+OFFLOAD = "_offload"
 
 
-def _class_for(metric_class: type) -> type[_StatesOnCPU]:
-    """``_StatesOnCPU`` put in front of ``metric_class``, made once, with the name of ``metric_class``."""
-    return _in_front_of(_StatesOnCPU, metric_class)
+def _queue_of(obj: Module) -> Any:
+    """The queue of ``obj`` if it was given to ``offload_to_cpu`` (or is inside what was), else ``None``."""
+    return object.__getattribute__(obj, "__dict__").get(OFFLOAD)
+
+
+def _list_states(metric: Metric) -> list[str]:
+    return [attr for attr, default in metric._defaults.items() if isinstance(default, list)]
+
+
+def _metrics_in(module: Module) -> list[Metric]:
+    """``module`` if it is a Metric, and the Metrics it holds at any depth (a wrapper's, a collection's).
+
+    Found through each Module's children, not ``modules()``, which hashes them: torchmetrics hashes a Metric by its
+    states, every element of a list state included.
+    """
+    found = [module] if isinstance(module, Metric) else []
+    for child in module._modules.values():
+        if child is not None:
+            found += _metrics_in(child)
+    return found
+
+
+def _owns_list_states(metric: Metric) -> bool:
+    """Whether ``metric`` holds list states of its own (``ClasswiseWrapper`` shows those of the Metric it wraps)."""
+    return any(attr in vars(metric) for attr in _list_states(metric))

@@ -8,13 +8,14 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.wrappers import BootStrapper, MetricTracker
 
 from lightning_store._checks import _check_positive_int
-from lightning_store.metrics._configured import _remember_plain_settings, _settling, _StatesOnCPU
+from lightning_store.metrics._configured import _queue_of, _remember_plain_settings, _settling
 from lightning_store.metrics._gather import _is_gather_on_device, gather_on_device
-from lightning_store.metrics._offload.front import _is_offloaded, _offloaded_class, _offloading, _queue_of
+from lightning_store.metrics._offload.front import _offloaded_class, _offloading
 from lightning_store.metrics._offload.process.ended import _main_defines
 from lightning_store.metrics._offload.process.queue import _ProcessQueue
 from lightning_store.metrics._offload.queue import DEFAULT_MAX_PENDING, _Queue
 from lightning_store.metrics._offload.thread.queue import _ThreadQueue
+from lightning_store.metrics._states_on_cpu import _StatesOnCPU
 from lightning_store.metrics.states import _ACCEPTED, _check_configurable
 
 __all__ = ["offload_to_cpu"]
@@ -144,7 +145,7 @@ def _check_member(member: Module, root: Module) -> None:
     """Raise an error that says why unless ``member`` (``root``, or a Metric inside it) can be offloaded."""
     name = type(member).__name__
     inside = "" if member is root else f" (inside the {type(root).__name__} given)"
-    if _is_offloaded(member):
+    if _queue_of(member) is not None:
         raise ValueError(
             f"offload_to_cpu() got a {type(root).__name__} holding a {name} offloaded on its own: its updates would"
             f" run in two queues. HINT: offload only the {type(root).__name__}, which offloads every Metric inside."

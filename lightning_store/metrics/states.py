@@ -8,21 +8,14 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.wrappers import MetricTracker
 
 from lightning_store._checks import _type_name
-from lightning_store.metrics._configured import (
-    _class_for,
-    _collecting,
-    _remember_plain_settings,
-    _settling,
-    _StatesOnCPU,
-)
+from lightning_store.metrics._configured import _owns_list_states, _queue_of, _remember_plain_settings, _settling
 from lightning_store.metrics._gather import (
     DEFAULT_CHUNK_BYTES,
     _check_chunk_bytes,
     _is_gather_on_device,
     gather_on_device,
 )
-from lightning_store.metrics._offload.front import _is_offloaded
-from lightning_store.metrics._states import _collect, _CPUStates, _owns_list_states, _settle
+from lightning_store.metrics._states_on_cpu import _class_for, _collect, _collecting, _CPUStates, _settle, _StatesOnCPU
 from lightning_store.warnings import _warn_once
 
 __all__ = ["gather_on_device", "store_states_on_cpu"]
@@ -51,7 +44,7 @@ def _holders(root: Module) -> list[Metric]:
 
     An offloaded Metric is none: ``offload_to_cpu`` keeps every state on the CPU already.
     """
-    return [m for m in root.modules() if isinstance(m, Metric) and _owns_list_states(m) and not _is_offloaded(m)]
+    return [m for m in root.modules() if isinstance(m, Metric) and _owns_list_states(m) and _queue_of(m) is None]
 
 
 def _check_dist_sync_fn(metric: Metric) -> None:
@@ -123,7 +116,9 @@ def store_states_on_cpu(metric: _Configurable, *, chunk_bytes: int = DEFAULT_CHU
     _check_chunk_bytes(chunk_bytes)
     _check_configurable(metric, "store_states_on_cpu", _EXAMPLE)
     holders = _holders(metric)
-    if not holders and any(map(_is_offloaded, metric.modules())):  # offloaded: its states are on the CPU already
+    if not holders and any(
+        _queue_of(m) is not None for m in metric.modules()
+    ):  # offloaded: its states are on the CPU already
         return metric
     if not holders:
         _warn_once(
@@ -149,14 +144,3 @@ def _configure_together(holders: list[Metric], chunk_bytes: int = DEFAULT_CHUNK_
     states = configured[0] if configured else _CPUStates(by_flag)
     for holder in holders:
         _configure(holder, states, chunk_bytes)
-
-
-def _stores_states_on_cpu(metric: Metric) -> bool:
-    """Whether ``metric`` was given to :func:`store_states_on_cpu`."""
-    return isinstance(metric, _StatesOnCPU)
-
-
-def _settle_states(metric: Metric) -> None:
-    """Complete the copies in flight of a Metric given to :func:`store_states_on_cpu`: before reading its states."""
-    if isinstance(metric, _StatesOnCPU):
-        _settle(metric)

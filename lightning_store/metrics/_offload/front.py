@@ -5,13 +5,14 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from torch import Tensor
 from torch.nn import Module
 from torchmetrics import Metric
 
 from lightning_store._compat import _in_front_of
 from lightning_store.metrics._configured import (
     PLAIN_SETTINGS,
+    _kept_on_cpu,
+    _queue_of,
     _reduce_configured,
     _SettledReads,
     _sync_lists_on_device,
@@ -26,10 +27,6 @@ _CPU = torch.device("cpu")
 # what a Metric's `update` writes besides its states (torchmetrics' wrapper), and a collection's `update`
 _METRIC_BOOKKEEPING = frozenset({"_update_count", "_computed"})
 _COLLECTION_BOOKKEEPING = frozenset({"_groups", "_groups_checked", "_state_is_copy"})
-
-
-def _queue_of(obj: Module) -> _Queue | None:
-    return object.__getattribute__(obj, "__dict__").get("_offload")
 
 
 def _settle(obj: Module) -> None:
@@ -203,24 +200,7 @@ def _moves_nothing(fn: Callable) -> bool:
     return True
 
 
-def _kept_on_cpu(fn: Callable, probes: dict[torch.dtype, Tensor], tensor: Tensor) -> Tensor:
-    """``fn(tensor)`` where it keeps a tensor on the CPU (a dtype, ``share_memory``); else only the dtype it gives.
-
-    What ``fn`` does is asked of an empty tensor of the same dtype, once per dtype, which copies or syncs nothing.
-    """
-    if tensor.dtype not in probes:
-        probes[tensor.dtype] = fn(torch.empty(0, dtype=tensor.dtype))
-    probe = probes[tensor.dtype]
-    if probe.device == _CPU:
-        return fn(tensor)
-    return tensor if probe.dtype == tensor.dtype else tensor.to(dtype=probe.dtype)
-
-
 def _offloaded_class(own_class: type) -> type:
     """The front class put in front of ``own_class`` (a Metric's, a collection's), made once, named as it."""
     front = _OffloadedMetric if issubclass(own_class, Metric) else _OffloadedContainer
     return _in_front_of(front, own_class)
-
-
-def _is_offloaded(obj: Any) -> bool:
-    return isinstance(obj, (_OffloadedMetric, _OffloadedContainer))
