@@ -10,7 +10,7 @@ from lightning_store._logged.result import _policy_changed, _stored_on_cpu_class
 
 
 class _StoringResults:
-    """Put in front of Lightning's ``_ResultCollection`` (see :func:`_install`): one storage policy per call.
+    """Put in front of Lightning's ``_ResultCollection`` (see :func:`_install_storing`): one storage policy per call.
 
     A tensor logged with ``store_on_cpu=True`` (the module's answer, in ``_logged.policy._requested``) or, where the
     module leaves it open, under ``Trainer(move_metrics_to_cpu=True)`` (``_move_metrics_to_cpu``) is kept by a
@@ -58,7 +58,7 @@ def _storing_class(collection_class: type) -> type[_StoringResults]:
     return _in_front_of(_StoringResults, collection_class)
 
 
-def _install(results: Any, sync_device: torch.device, *, move_metrics_to_cpu: bool | None = None) -> None:
+def _install_storing(results: Any, sync_device: torch.device, *, move_metrics_to_cpu: bool | None = None) -> None:
     """Make ``results``, one of a Trainer's result collections, store on the CPU what its calls ask to, in place.
 
     Lightning holds the collection in its loops: its class is changed, not the object, so every reference to it
@@ -77,10 +77,10 @@ def _install(results: Any, sync_device: torch.device, *, move_metrics_to_cpu: bo
 
 
 def _install_on(trainer: Any, *, move_metrics_to_cpu: bool | None = None) -> None:
-    """:func:`_install` on the result collection of every loop of ``trainer`` that logs."""
+    """:func:`_install_storing` on the result collection of every loop of ``trainer`` that logs."""
     device = trainer.strategy.root_device
     for results in _loop_results(trainer).values():
-        _install(results, device, move_metrics_to_cpu=move_metrics_to_cpu)
+        _install_storing(results, device, move_metrics_to_cpu=move_metrics_to_cpu)
 
 
 def _loop_results(trainer: Any) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def _collect(metric: Metric) -> None:
             states.put(metric, attr, state, index)
 
 
-def _settle(metric: Metric) -> None:
+def _land_copies(metric: Metric) -> None:
     """Fold every copy in flight, then copy any list state element still elsewhere (a loaded state, say)."""
     states: _CPUStates = metric._cpu_states  # type: ignore[assignment]
     if states.paused:
@@ -132,10 +132,10 @@ class _StatesOnCPU(_SettledReads):
     _kept_attributes = ("_cpu_states", PLAIN_SETTINGS)  # see `_compat._in_front_of`
 
     def _settle_states(self) -> None:
-        _settle(self)
+        _land_copies(self)
 
     def _after_load(self) -> None:
-        _settle(self)  # a state loaded or merged from a device is copied to the CPU
+        _land_copies(self)  # a state loaded or merged from a device is copied to the CPU
 
     def _wrap_update(self, update: Callable) -> Callable:
         return _collecting(self, super()._wrap_update(update))
@@ -154,7 +154,7 @@ class _StatesOnCPU(_SettledReads):
             for attr in kept:
                 setattr(self, attr, [])
         else:
-            _settle(self)  # the update may read the accumulated state (or sync the batch's): all of it on the CPU
+            _land_copies(self)  # the update may read the accumulated state (or sync the batch's): all of it on the CPU
         states.paused += 1
         try:
             return super().forward(*args, **kwargs)
@@ -171,7 +171,7 @@ class _StatesOnCPU(_SettledReads):
         should_sync: bool = True,
         distributed_available: Callable | None = None,
     ) -> None:
-        _settle(self)
+        _land_copies(self)
         super().sync(
             dist_sync_fn=dist_sync_fn or self.dist_sync_fn,
             process_group=process_group,
@@ -190,7 +190,7 @@ class _StatesOnCPU(_SettledReads):
         elements = {id(t): t for t in _elements(self)}
         dtypes = {t.dtype for t in elements.values()}
         if any(_kept_on_cpu(fn, probes, torch.empty(0, dtype=d), moved=False).dtype != d for d in dtypes):
-            _settle(self)
+            _land_copies(self)
         keep = functools.partial(_keep_elements_on_cpu, fn, set(elements), probes)
         # `keep` shows `fn` in its repr, from which torchmetrics tells a `.half()` from a `.to()`
         return super()._apply(keep, exclude_state) if exclude_state else super()._apply(keep)

@@ -91,11 +91,11 @@ def offload_to_cpu(
     else:
         queue = _ThreadQueue(max_pending, name=type(metric).__name__)
     for member in members:
-        _configure(member, queue)
+        _configure_offloaded(member, queue)
     return metric
 
 
-def _configure(member: Module, queue: _Queue) -> None:
+def _configure_offloaded(member: Module, queue: _Queue) -> None:
     if isinstance(member, Metric):
         _remember_plain_settings(member, "dist_sync_fn")  # what a checkpoint gets
     member.__dict__["_offload"] = queue

@@ -15,7 +15,14 @@ from lightning_store.metrics._gather import (
     _is_gather_on_device,
     gather_on_device,
 )
-from lightning_store.metrics._states_on_cpu import _class_for, _collect, _collecting, _CPUStates, _settle, _StatesOnCPU
+from lightning_store.metrics._states_on_cpu import (
+    _class_for,
+    _collect,
+    _collecting,
+    _CPUStates,
+    _land_copies,
+    _StatesOnCPU,
+)
 from lightning_store.warnings import _warn_once
 
 __all__ = ["gather_on_device", "store_states_on_cpu"]
@@ -57,10 +64,10 @@ def _check_dist_sync_fn(metric: Metric) -> None:
         )
 
 
-def _configure(metric: Metric, states: _CPUStates, chunk_bytes: int) -> None:
+def _configure_states_on_cpu(metric: Metric, states: _CPUStates, chunk_bytes: int) -> None:
     if isinstance(metric, _StatesOnCPU):
         if metric._cpu_states is not states:  # now configured with others
-            _settle(metric)
+            _land_copies(metric)
             metric._cpu_states = states
     else:
         _remember_plain_settings(metric, "dist_sync_fn", "compute_on_cpu")  # what a checkpoint gets
@@ -143,4 +150,4 @@ def _configure_together(holders: list[Metric], chunk_bytes: int = DEFAULT_CHUNK_
     configured = [m._cpu_states for m in holders if isinstance(m, _StatesOnCPU)]
     states = configured[0] if configured else _CPUStates(by_flag)
     for holder in holders:
-        _configure(holder, states, chunk_bytes)
+        _configure_states_on_cpu(holder, states, chunk_bytes)

@@ -10,6 +10,7 @@ from torchmetrics import Metric
 
 from lightning_store._compat import _in_front_of
 from lightning_store.metrics._configured import (
+    _CPU,
     PLAIN_SETTINGS,
     _kept_on_cpu,
     _queue_of,
@@ -23,13 +24,12 @@ from lightning_store.metrics._offload.queue import _Queue
 from lightning_store.metrics._offload.thread.worker import _Inline, _runs_inline
 from lightning_store.warnings import _warn_once_outside
 
-_CPU = torch.device("cpu")
 # what a Metric's `update` writes besides its states (torchmetrics' wrapper), and a collection's `update`
 _METRIC_BOOKKEEPING = frozenset({"_update_count", "_computed"})
 _COLLECTION_BOOKKEEPING = frozenset({"_groups", "_groups_checked", "_state_is_copy"})
 
 
-def _settle(obj: Module) -> None:
+def _wait_for_updates(obj: Module) -> None:
     """Wait for the updates queued on ``obj`` (and raise the error one raised), unless this thread runs them."""
     queue = _queue_of(obj)
     if queue is not None and not _runs_inline():
@@ -43,7 +43,7 @@ def _set_attribute(obj: Module, set_attribute: Callable[[str, Any], None], name:
     Lightning's ``train()`` and ``eval()`` set it each epoch, and an update does not read it.
     """
     if name != "training":
-        _settle(obj)
+        _wait_for_updates(obj)
     set_attribute(name, value)
 
 
@@ -73,7 +73,7 @@ def _forward_inline(obj: Module, forward: Callable, args: tuple, kwargs: dict) -
         " the Metric object with `self.log(name, metric, on_step=False, on_epoch=True)`.",
         ("torch", "torchmetrics"),  # the user's `metric(...)` line
     )
-    _settle(obj)
+    _wait_for_updates(obj)
     args, kwargs = _on_cpu_now(args, kwargs)
     with _Inline():
         return forward(*args, **kwargs)
@@ -86,14 +86,14 @@ class _OffloadedMetric(_SettledReads):
     _kept_attributes = ("_offload", PLAIN_SETTINGS)  # see `_compat._in_front_of`
 
     def _settle_states(self) -> None:
-        _settle(self)
+        _wait_for_updates(self)
 
     def _after_load(self) -> None:
         self.cpu()  # a state loaded or merged from a device comes to the CPU
 
     def __getattribute__(self, name: str) -> Any:
         if name in _METRIC_BOOKKEEPING or name in object.__getattribute__(self, "__dict__").get("_defaults", ()):
-            _settle(self)
+            _wait_for_updates(self)
         return object.__getattribute__(self, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -118,11 +118,11 @@ class _OffloadedMetric(_SettledReads):
         queue = _queue_of(self)
         if queue is not None and not _runs_inline():
             queue.resetting()
-        _settle(self)
+        _wait_for_updates(self)
         super().reset()
 
     def sync(self, dist_sync_fn: Callable | None = None, *args: Any, **kwargs: Any) -> None:
-        _settle(self)  # this process's updates are in its state before it syncs with the others
+        _wait_for_updates(self)  # this process's updates are in its state before it syncs with the others
         super().sync(dist_sync_fn or self.dist_sync_fn, *args, **kwargs)
 
     def _sync_dist(self, dist_sync_fn: Callable = gather_on_device, process_group: Any | None = None) -> None:
@@ -131,7 +131,7 @@ class _OffloadedMetric(_SettledReads):
     def _apply(self, fn: Callable, exclude_state: Any = "") -> Module:
         if _moves_nothing(fn):  # a move to a device (Lightning's on every `self.log`): the states stay as they are
             return self
-        _settle(self)
+        _wait_for_updates(self)
         # `keep` shows `fn` in its repr, from which torchmetrics tells a `.half()` from a `.to()`
         keep = functools.partial(_kept_on_cpu, fn, {})
         return super()._apply(keep, exclude_state) if exclude_state else super()._apply(keep)
@@ -151,7 +151,7 @@ class _OffloadedContainer(Module):
         # a collection's first update forms its compute groups; after it, what the collection's own bookkeeping
         # leads to (the states it shares in a group) is read through the Metrics, which wait for their queue
         if name in _COLLECTION_BOOKKEEPING and not object.__getattribute__(self, "__dict__").get("_groups_checked"):
-            _settle(self)
+            _wait_for_updates(self)
         return object.__getattribute__(self, name)
 
     def _compute_groups_create_state_ref(self, copy: bool = False) -> None:
@@ -178,7 +178,7 @@ class _OffloadedContainer(Module):
         return _forward_inline(self, super().forward, args, kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        _settle(self)
+        _wait_for_updates(self)
         return _reduce_configured(self, self.__getstate__())
 
 
