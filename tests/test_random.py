@@ -77,3 +77,73 @@ def test_a_metric_that_cannot_be_copied_warns_that_it_could_not_be_tried():
     with pytest.warns(StoreOnCPUWarning, match=r"^Uncopyable: Python's or NumPy's global generator was drawn") as rec:
         metric.compute()
     assert rec[0].filename == __file__
+
+
+def _numpy_unchanged(before: dict, after: dict) -> bool:
+    """NumPy's own state compared in full: the oracle for the state as lightning-store compares it."""
+    return (
+        before["state"]["pos"] == after["state"]["pos"]
+        and np.array_equal(before["state"]["key"], after["state"]["key"])
+        and (before["has_gauss"], before["gauss"]) == (after["has_gauss"], after["gauss"])
+    )
+
+
+NUMPY_CHANGES = {
+    "nothing": lambda: None,
+    "a uniform draw": np.random.rand,
+    "a normal deviate": np.random.normal,
+    "a seed": lambda: np.random.seed(1),
+    "a state set": lambda: np.random.set_state(np.random.RandomState(5).get_state()),
+}
+
+
+@pytest.mark.parametrize("spare", [False, True], ids=["no spare deviate", "a spare deviate kept"])
+@pytest.mark.parametrize("change", NUMPY_CHANGES)
+def test_numpys_state_as_compared_tells_every_change_its_full_state_tells(change, spare):
+    from lightning_store.metrics._offload.draws import _drawn, _host_states
+
+    np.random.seed(0)
+    if spare:  # the legacy generator keeps the second of a pair: the next normal deviate moves no word of its state
+        np.random.normal()
+        assert np.random.get_state(legacy=False)["has_gauss"] == 1
+    _host_states()
+    before, full_before = _host_states(), np.random.get_state(legacy=False)  # the second read from memory
+    NUMPY_CHANGES[change]()
+    after, full_after = _host_states(), np.random.get_state(legacy=False)
+    changed = not _numpy_unchanged(full_before, full_after)
+    assert changed == (change != "nothing")
+    assert ("NumPy's `np.random`" in _drawn(before, after)) == changed
+
+
+def test_numpys_state_is_read_in_full_only_when_it_may_have_changed(monkeypatch):
+    from lightning_store.metrics._offload.draws import _host_states
+
+    np.random.seed(0)
+    _host_states()
+    reads = []
+    get_state = np.random.get_state
+    monkeypatch.setattr(np.random, "get_state", lambda *a, **k: reads.append(1) or get_state(*a, **k))
+    for _ in range(5):
+        _host_states()
+    assert reads == []  # unchanged, no spare deviate: known from its words in memory
+    np.random.rand()
+    _host_states()
+    _host_states()
+    assert reads == [1]
+
+
+class DrawsTheSpareDeviate(SumMetric):
+    def update(self, value: Tensor) -> None:
+        super().update(value + np.random.normal() if value.numel() > 4 else value)
+
+
+def test_an_update_that_takes_numpys_spare_normal_deviate_raises():
+    metric = offload_to_cpu(DrawsTheSpareDeviate())
+    metric.update(torch.ones(2))
+    _get_worker().quiesce()
+    np.random.seed(0)
+    np.random.normal()  # a spare deviate kept: the update's draw moves no word of the Twister
+    metric.update(torch.ones(8))
+    drawn = r"drew random numbers from NumPy's `np.random` global generator, at update #2"
+    with pytest.raises(RuntimeError, match=drawn):
+        metric.compute()
