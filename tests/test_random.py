@@ -79,56 +79,59 @@ def test_a_metric_that_cannot_be_copied_warns_that_it_could_not_be_tried():
     assert rec[0].filename == __file__
 
 
-def _numpy_unchanged(before: dict, after: dict) -> bool:
-    """NumPy's own state compared in full: the oracle for the state as lightning-store compares it."""
-    return (
-        before["state"]["pos"] == after["state"]["pos"]
-        and np.array_equal(before["state"]["key"], after["state"]["key"])
-        and (before["has_gauss"], before["gauss"]) == (after["has_gauss"], after["gauss"])
-    )
+def _full_states() -> tuple:
+    """Python's and NumPy's generators' states as they give them: the oracle for the states as compared."""
+    numpy = np.random.get_state(legacy=False)
+    return random.getstate(), numpy["state"]["pos"], numpy["state"]["key"].tolist(), numpy["has_gauss"], numpy["gauss"]
 
 
-NUMPY_CHANGES = {
-    "nothing": lambda: None,
-    "a uniform draw": np.random.rand,
-    "a normal deviate": np.random.normal,
-    "a seed": lambda: np.random.seed(1),
-    "a state set": lambda: np.random.set_state(np.random.RandomState(5).get_state()),
+PYTHONS, NUMPYS = "Python's `random`", "NumPy's `np.random`"
+CHANGES = {  # what changes a generator's state, and whose
+    "nothing": ([], lambda: None),
+    "a uniform draw from Python's": ([PYTHONS], random.random),
+    "a normal deviate from Python's": ([PYTHONS], lambda: random.gauss(0, 1)),
+    "a seed of Python's": ([PYTHONS], lambda: random.seed(1)),
+    "a uniform draw from NumPy's": ([NUMPYS], np.random.rand),
+    "a normal deviate from NumPy's": ([NUMPYS], np.random.normal),
+    "a seed of NumPy's": ([NUMPYS], lambda: np.random.seed(1)),
+    "a state set in NumPy's": ([NUMPYS], lambda: np.random.set_state(np.random.RandomState(5).get_state())),
 }
 
 
 @pytest.mark.parametrize("spare", [False, True], ids=["no spare deviate", "a spare deviate kept"])
-@pytest.mark.parametrize("change", NUMPY_CHANGES)
-def test_numpys_state_as_compared_tells_every_change_its_full_state_tells(change, spare):
+@pytest.mark.parametrize("change", CHANGES)
+def test_the_host_generators_as_compared_tell_every_change_their_full_states_tell(change, spare):
     from lightning_store.metrics._offload.draws import _drawn, _host_states
 
+    random.seed(0)
     np.random.seed(0)
-    if spare:  # the legacy generator keeps the second of a pair: the next normal deviate moves no word of its state
+    if spare:  # each keeps the second deviate of a pair: the next normal deviate moves no word of its state
+        random.gauss(0, 1)
         np.random.normal()
-        assert np.random.get_state(legacy=False)["has_gauss"] == 1
     _host_states()
-    before, full_before = _host_states(), np.random.get_state(legacy=False)  # the second read from memory
-    NUMPY_CHANGES[change]()
-    after, full_after = _host_states(), np.random.get_state(legacy=False)
-    changed = not _numpy_unchanged(full_before, full_after)
-    assert changed == (change != "nothing")
-    assert ("NumPy's `np.random`" in _drawn(before, after)) == changed
+    before, full_before = _host_states(), _full_states()  # the second read from memory
+    changed, make_change = CHANGES[change]
+    make_change()
+    after, full_after = _host_states(), _full_states()
+    oracle = [PYTHONS] * (full_before[0] != full_after[0]) + [NUMPYS] * (full_before[1:] != full_after[1:])
+    assert _drawn(before, after) == oracle == changed
 
 
 def test_numpys_state_is_read_in_full_only_when_it_may_have_changed(monkeypatch):
-    from lightning_store.metrics._offload.draws import _host_states
+    from lightning_store.metrics._offload import draws
 
     np.random.seed(0)
-    _host_states()
+    draws._host_states()
     reads = []
-    get_state = np.random.get_state
-    monkeypatch.setattr(np.random, "get_state", lambda *a, **k: reads.append(1) or get_state(*a, **k))
+    words_of = draws._numpy_state.words_of
+    monkeypatch.setattr(draws._numpy_state, "words_of", lambda generator: reads.append(1) or words_of(generator))
     for _ in range(5):
-        _host_states()
+        draws._host_states()
     assert reads == []  # unchanged, no spare deviate: known from its words in memory
+    assert draws._python_state.checked and draws._numpy_state.checked  # both read from memory here (CPython)
     np.random.rand()
-    _host_states()
-    _host_states()
+    draws._host_states()
+    draws._host_states()
     assert reads == [1]
 
 

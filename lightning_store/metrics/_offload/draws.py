@@ -12,6 +12,7 @@ import ctypes
 import random
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,29 +22,24 @@ from lightning_store.metrics._offload.kept_warnings import _kept_warnings
 from lightning_store.metrics._offload.thread.worker import _Inline
 
 _HostStates = tuple[Any, Any, Any]
-_MT_BYTES = 624 * 4 + 4  # NumPy's MT19937 state: `uint32_t key[624]; int pos;`
+_MT_BYTES = 4 + 624 * 4  # a Mersenne Twister's state as Python and NumPy keep it: its position and 624 words
 
 
 def _host_states(torch_too: bool = False) -> _HostStates:
-    """The states of Python's global generator, of NumPy's if it is imported, and of torch's CPU one if asked.
+    """What tells apart the states of Python's global generator, NumPy's if imported, and torch's CPU one if asked.
 
-    Taken before and after every offloaded update, so cheaply: NumPy's as :class:`_NumpyState` reads it.
+    Taken before and after every offloaded update, so read cheaply (:class:`_TwisterState`); compared by
+    :func:`_drawn`. :func:`_saved_host_states` saves the states themselves.
 
     Args:
         torch_too: take torch's CPU generator's too: in a worker process, where no other thread draws from it.
     """
     numpy = sys.modules.get("numpy")
     return (
-        random.getstate(),
-        _numpy_state.take(numpy) if numpy is not None else None,
+        _python_state.take(random._inst),
+        _numpy_state.take(_numpy_global(numpy)) if numpy is not None else None,
         torch.get_rng_state() if torch_too else None,
     )
-
-
-def _set_host_states(states: _HostStates) -> None:
-    random.setstate(states[0])
-    if states[1] is not None:
-        sys.modules["numpy"].random.set_state(states[1][1])
 
 
 def _drawn(before: _HostStates, after: _HostStates) -> list[str]:
@@ -51,76 +47,129 @@ def _drawn(before: _HostStates, after: _HostStates) -> list[str]:
     drawn = [] if before[2] is None or torch.equal(before[2], after[2]) else ["torch's CPU"]
     if before[0] != after[0]:
         drawn.append("Python's `random`")
-    if before[1] is not None and after[1] is not None and before[1][0] != after[1][0]:
+    if before[1] is not None and after[1] is not None and before[1] != after[1]:
         drawn.append("NumPy's `np.random`")
     return drawn
 
 
-class _NumpyState:
-    """NumPy's legacy global generator (``np.random.*``), its state as bytes that compare equal when it is unchanged.
+def _saved_host_states() -> tuple[Any, Any]:
+    """Python's and NumPy's global generators' states, to be set back with :func:`_set_host_states`."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy.random.get_state() if numpy is not None else None
 
-    ``get_state()`` builds a dict and copies the 624 words of the Mersenne Twister (tens of µs); the words and the
-    position are read here as they lie in memory, through the bit generator's ctypes interface (about 1 µs), once a
-    check at first use showed that they lie as NumPy's own ``state`` gives them. The legacy generator also keeps a
-    spare normal deviate (``has_gauss``, ``gauss``), which a draw may use without moving the Twister: that part is
-    known without a read only when the Twister has not moved since the last full read and no deviate was kept then
-    (keeping one moves the Twister). Otherwise, and where the check failed, the state is read in full.
+
+def _set_host_states(saved: tuple[Any, Any]) -> None:
+    random.setstate(saved[0])
+    if saved[1] is not None:
+        sys.modules["numpy"].random.set_state(saved[1])
+
+
+class _TwisterState:
+    """What tells apart the states of one kind of Mersenne Twister generator, Python's or NumPy's legacy one.
+
+    Their own ``getstate()`` and ``get_state()`` build a tuple or a dict of the 624 words of the state (6 to 30 µs a
+    call). The words and the position are read here as they lie in memory (about 1 µs), once a check at first use
+    showed, on a generator of this class's own, that they lie as the generator's own state says. Both also keep a
+    spare normal deviate (``gauss_next``; NumPy's ``has_gauss`` and ``gauss``), which a draw may take without moving
+    the words: Python's is read as an attribute; NumPy's only with its whole state, so that part is known without a
+    read only when the words have not moved since the last full read and no deviate was kept then (keeping one
+    moves them). Otherwise, and where the check failed, the state is read in full.
+
+    Args:
+        address: where a generator's words lie (``None``: they cannot be read there).
+        words_of: a generator's words and position, from its own state.
+        readable: a generator of the kind, seeded, and a draw from it, for the check.
     """
 
-    def __init__(self) -> None:
-        # the last state read in full: as compared (words, has_gauss, gauss), and as `get_state(legacy=False)` gave it
-        self.known: tuple[tuple[bytes, int, float], dict] | None = None
-        self.readable: bool | None = None  # whether the words read in memory are the state's (checked once)
+    def __init__(
+        self,
+        address: Callable[[Any], int | None],
+        words_of: Callable[[Any], bytes],
+        readable: Callable[[], tuple[Any, Callable[[], Any]]],
+    ) -> None:
+        self.address, self.words_of, self.readable = address, words_of, readable
+        self.checked: bool | None = None  # whether the words lie in memory as the state says (checked once)
+        self.known: tuple[Any, ...] | None = None  # NumPy's last state read in full, as compared
 
-    def take(self, numpy: Any) -> tuple[tuple[bytes, int, float], dict]:
-        """The state: what tells it apart, and the state itself (to set it back)."""
+    def take(self, generator: Any) -> tuple[Any, ...]:
+        if self.checked is None:
+            self.checked = self._check()
+        address = self.address(generator) if self.checked else None
+        if address is None:
+            return (self.words_of(generator), _spare(generator))
+        words = ctypes.string_at(address, _MT_BYTES)
+        if isinstance(generator, random.Random):
+            return (words, _spare(generator))
         known = self.known
-        if known is not None and not known[0][1] and self._words(numpy) == known[0][0]:
+        if known is not None and not known[1][0] and words == known[0]:  # no spare kept: its value is not used
             return known
-        full = numpy.random.get_state(legacy=False)
-        self.known = known = ((_words_of(full), full["has_gauss"], full["gauss"]), full)
+        self.known = known = (self.words_of(generator), _spare(generator))
         return known
 
-    def _words(self, numpy: Any) -> bytes | None:
-        """The Twister's words and position as they lie in memory, or ``None`` where they are not read so."""
-        if self.readable is None:
-            self.readable = _reads_as_its_state(numpy)
-        generator = _global_bit_generator(numpy)
-        if not self.readable or generator is None:
-            return None
-        return ctypes.string_at(generator.ctypes.state_address, _MT_BYTES)
+    def _check(self) -> bool:
+        if sys.implementation.name != "cpython" or sys.byteorder != "little":  # `id()` an address, words as read
+            return False
+        try:
+            generator, draw = self.readable()
+            for _ in range(3):
+                address = self.address(generator)
+                if address is None or ctypes.string_at(address, _MT_BYTES) != self.words_of(generator):
+                    return False
+                draw()  # past a refill of the 624 words
+            return True
+        except Exception:
+            return False
 
 
-def _global_bit_generator(numpy: Any) -> Any:
-    """The bit generator behind ``np.random.*``, if it is NumPy's MT19937 (it is unless replaced)."""
-    getter = getattr(numpy.random, "get_bit_generator", None)  # NumPy >= 1.25
-    generator = getter() if getter is not None else getattr(numpy.random.mtrand._rand, "_bit_generator", None)
-    return generator if type(generator) is numpy.random.MT19937 else None
+def _python_address(generator: Any) -> int | None:
+    # CPython's `RandomObject`: `PyObject_HEAD; int index; uint32_t state[624];`
+    return id(generator) + object.__basicsize__ if type(generator) is random.Random else None
 
 
-def _words_of(state: dict) -> bytes:
-    """An MT19937 state (``legacy=False``) as it lies in memory: its key, then its position."""
-    return bytes(state["state"]["key"].astype("<u4").data) + struct.pack("<i", state["state"]["pos"])
+def _python_words(generator: random.Random) -> bytes:
+    words = generator.getstate()[1]  # (the 624 words, the position)
+    return struct.pack("<i624I", words[624], *words[:624])
 
 
-def _reads_as_its_state(numpy: Any) -> bool:
-    """Whether an MT19937's memory reads as its ``state`` says, on one of this function's own, as it draws."""
-    if sys.byteorder != "little":
-        return False
-    try:
-        generator = numpy.random.MT19937(0)
-        for _ in range(3):
-            if ctypes.string_at(generator.ctypes.state_address, _MT_BYTES) != _words_of(
-                {"state": generator.state["state"]}
-            ):
-                return False
-            generator.random_raw(700)  # past a refill of the 624 words
-        return True
-    except Exception:
-        return False
+def _python_generator() -> tuple[Any, Callable[[], Any]]:
+    generator = random.Random(0)
+    return generator, lambda: generator.getrandbits(700 * 32)
 
 
-_numpy_state = _NumpyState()
+def _numpy_global(numpy: Any) -> Any:
+    """The legacy generator behind ``np.random.*``."""
+    return numpy.random.mtrand._rand
+
+
+def _numpy_address(generator: Any) -> int | None:
+    # NumPy's MT19937 state: `uint32_t key[624]; int pos;`, at the address its ctypes interface gives
+    bits = getattr(generator, "_bit_generator", None)
+    if bits is None or type(bits).__name__ != "MT19937":
+        return None
+    return bits.ctypes.state_address
+
+
+def _numpy_words(generator: Any) -> bytes:
+    state = generator.get_state(legacy=False)["state"]
+    return bytes(state["key"].astype("<u4").data) + struct.pack("<i", state["pos"])
+
+
+def _numpy_generator() -> tuple[Any, Callable[[], Any]]:
+    numpy = sys.modules["numpy"]
+    generator = numpy.random.RandomState(0)
+    return generator, lambda: generator.randint(0, 2, size=700)
+
+
+def _spare(generator: Any) -> Any:
+    """The spare normal deviate a generator keeps: Python's ``gauss_next``, NumPy's ``(has_gauss, gauss)``."""
+    if isinstance(generator, random.Random):
+        return getattr(generator, "gauss_next", None)
+    state = generator.get_state(legacy=False)
+    return state["has_gauss"], state["gauss"]
+
+
+_python_state = _TwisterState(_python_address, _python_words, _python_generator)
+_numpy_state = _TwisterState(_numpy_address, _numpy_words, _numpy_generator)
 
 
 class _Suspect:
@@ -141,7 +190,7 @@ def _trial_draws(suspect: _Suspect) -> list[str] | None:
         trial = copy.deepcopy(suspect.obj)
     except Exception:
         return None
-    before = _host_states()
+    saved, before = _saved_host_states(), _host_states()
     try:
         with _Inline(), _kept_warnings():  # the trial's warnings are the update's own, given already: dropped
             trial.update(*suspect.args, **suspect.kwargs)  # type: ignore[operator]
@@ -149,4 +198,4 @@ def _trial_draws(suspect: _Suspect) -> list[str] | None:
     except Exception:
         return []  # it raised before any draw it would make: the original update did not raise, so nothing is known
     finally:
-        _set_host_states(before)
+        _set_host_states(saved)
