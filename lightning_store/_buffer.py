@@ -87,7 +87,6 @@ class _CUDATransfer:
 
     pool_size = 64
     pool_shapes = 16  # the dtypes and shapes whose memory is kept, the latest used (a Metric's inputs may vary)
-    _producer_waits = True  # False only in `benchmarks/gpu_step_time.py`: the ordering before issue 18, to time it
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -115,7 +114,7 @@ class _CUDATransfer:
             with torch.cuda.stream(self._stream):
                 slot.host.copy_(source, non_blocking=True)
                 slot.event.record(self._stream)
-            if self._producer_waits and not snapshot:
+            if not snapshot:
                 producer.wait_event(slot.event)
         # kept: the allocator reuses the memory on the stream that allocated it, not always the one made to wait
         source.record_stream(self._stream)

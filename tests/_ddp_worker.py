@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _support import REDUCTIONS, RecordingLogger, stored_tensors
+from _support import REDUCTIONS, stored_tensors
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_store import StoreOnCPUMixin
 from lightning_store._logged.result import _StoredOnCPU
+from lightning_store._selfcheck._fits import MemoryLogger
 
 STEPS = 3  # per rank and epoch
 
@@ -63,7 +64,7 @@ class SyncModel(StoreOnCPUMixin, pl.LightningModule):
 
 def main(out_dir: Path) -> None:
     data = DataLoader(TensorDataset(torch.ones(2 * STEPS, 1)), batch_size=1)
-    recorder = RecordingLogger()
+    recorder = MemoryLogger()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _support import LEVELS, REDUCTIONS, RecordingLogger, finish_rank, stored_tensors
+from _support import LEVELS, REDUCTIONS, finish_rank, stored_tensors
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import BinaryAUROC
 
 import lightning_store
+from lightning_store._selfcheck._fits import MemoryLogger
 from lightning_store.metrics._reads import _stores_states_on_cpu
 
 STEPS = 3  # per rank and epoch
@@ -71,7 +72,7 @@ def fit(trainer_class: type, **flag: bool) -> dict:
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(int(os.environ["RANK"]))
     data = DataLoader(TensorDataset(torch.rand(2 * STEPS, 1, generator=generator)), batch_size=2)
-    recorder = RecordingLogger()
+    recorder = MemoryLogger()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", lightning_store.StoreOnCPUDeprecationWarning)
         trainer = trainer_class(

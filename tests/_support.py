@@ -20,10 +20,10 @@ import pytest
 import pytorch_lightning as pl
 import pytorch_lightning.cli
 import torch
-from pytorch_lightning.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_store import StoreOnCPUMixin
+from lightning_store._selfcheck._fits import MemoryLogger
 
 # what `LightningCLI` needs, as Lightning checks it (`jsonargparse[signatures]` of some version)
 CLI_AVAILABLE = bool(
@@ -193,28 +193,6 @@ def loader(n: int = 10, batch_size: int = 4, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(n, 3, generator=generator)), batch_size=batch_size)
 
 
-class RecordingLogger(Logger):
-    """Keeps every ``log_metrics`` call, values as handed over (tensors or numbers)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.history: list[tuple[int | None, dict[str, Any]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.history.append((step, dict(metrics)))
-
-
 class PlainLoggingModel(pl.LightningModule):
     """Logs every reduction at every level in training, validation and test, from tensors and from numbers.
 
@@ -341,7 +319,7 @@ def run_everything(
         of ``validate`` and ``test``, the callback metrics at the end, and every ``log_metrics`` call.
     """
     torch.manual_seed(0)
-    recorder = RecordingLogger()
+    recorder = MemoryLogger()
     trainer = trainer_class(**{**trainer_kwargs, "logger": recorder}, max_epochs=2, log_every_n_steps=1, **flag)
     val_loaders = [loader(seed=1), loader(n=7, seed=2)]
     trainer.fit(model, loader(), val_loaders)

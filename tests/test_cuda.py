@@ -5,11 +5,12 @@ import pytorch_lightning as pl
 import torch
 import torchmetrics
 from _metrics import Gram, LastSeenFirst, SeesAll, SeesLayout, assert_same_values, made_in_inference_mode
-from _support import LoggingModel, RecordingLogger, assert_same, loader, stored_tensors
+from _support import LoggingModel, assert_same, loader, stored_tensors
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, offload_to_cpu, store_states_on_cpu
 from lightning_store._logged.result import _StoredOnCPU
+from lightning_store._selfcheck._fits import MemoryLogger
 
 pytestmark = [
     pytest.mark.cuda,
@@ -181,7 +182,7 @@ def test_a_logged_value_changed_in_place_at_once_is_logged_as_it_was_at_the_call
     seen = []
     for store_on_cpu in (False, True):
         torch.manual_seed(0)
-        logger = RecordingLogger()
+        logger = MemoryLogger()
         trainer = pl.Trainer(**{**gpu_trainer_kwargs, "logger": logger, "log_every_n_steps": 1})
         trainer.fit(_ChangedInPlaceModel(store_on_cpu), loader(n=400))  # 2 epochs of 100 steps
         seen.append((logger.history, dict(trainer.callback_metrics)))
@@ -314,7 +315,7 @@ def test_an_offloaded_metric_in_a_gpu_fit_keeps_its_states_on_the_cpu_and_logs_t
     gpu_trainer_kwargs,
 ):
     torch.manual_seed(0)
-    model, logger = _OffloadedAUROCModel(), RecordingLogger()
+    model, logger = _OffloadedAUROCModel(), MemoryLogger()
     trainer = pl.Trainer(**{**gpu_trainer_kwargs, "logger": logger})
     trainer.fit(model, loader(n=40))  # 2 epochs of 10 steps
     assert model.model_devices == {"cuda"}

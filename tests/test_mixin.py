@@ -8,12 +8,13 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torchmetrics
-from _support import LoggingModel, RecordingLogger, all_results, assert_same, loader, run_everything, stored_tensors
+from _support import LoggingModel, all_results, assert_same, loader, run_everything, stored_tensors
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from lightning_store import StoreOnCPUMixin, StoreOnCPUWarning, StorePolicyError, offload_to_cpu, store_states_on_cpu
 from lightning_store._logged.result import _StoredOnCPU
+from lightning_store._selfcheck._fits import MemoryLogger
 from lightning_store.metrics._reads import _stores_states_on_cpu
 
 result_module = pytest.importorskip("pytorch_lightning.trainer.connectors.logger_connector.result")
@@ -281,7 +282,7 @@ class _ClassifierModelWithDefault(_ClassifierModel):
 def _logged(model, trainer_kwargs):
     """What ``model`` logs in a 2-epoch fit (every step's values handed to the logger, then callback_metrics), and
     the messages of the StoreOnCPUWarnings raised."""
-    recorder = RecordingLogger()
+    recorder = MemoryLogger()
     trainer = pl.Trainer(**{**trainer_kwargs, "logger": recorder}, max_epochs=2, log_every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -625,7 +626,7 @@ def test_a_compiled_inner_network_logs_the_values_of_plain_logging_stored_on_the
     for store in (False, True):
         net.load_state_dict(initial)
         model = _CompiledNetModel(net, store)
-        recorder = RecordingLogger()
+        recorder = MemoryLogger()
         trainer = pl.Trainer(**{**quiet_trainer_kwargs, "logger": recorder}, max_epochs=2, log_every_n_steps=1)
         trainer.fit(model, loader())
         seen[store] = (dict(trainer.callback_metrics), recorder.history, model.stored)

@@ -15,7 +15,6 @@ import torch
 from _support import (
     LoggingCallback,
     PlainLoggingModel,
-    RecordingLogger,
     all_results,
     assert_same,
     loader,
@@ -41,6 +40,7 @@ from lightning_store._flag import hooks as _move_metrics
 from lightning_store._logged import collection as _collection
 from lightning_store._logged.collection import _StoringResults
 from lightning_store._logged.result import _StoredOnCPU
+from lightning_store._selfcheck._fits import MemoryLogger
 from lightning_store.metrics._reads import _stores_states_on_cpu
 
 
@@ -114,7 +114,7 @@ class _Manual(pl.LightningModule):
 
 def _fit_recorded(trainer_factory, model, trainer_kwargs, epochs=2, **fit_kwargs):
     torch.manual_seed(0)
-    recorder = RecordingLogger()
+    recorder = MemoryLogger()
     trainer = trainer_factory(**{**trainer_kwargs, "logger": recorder}, max_epochs=epochs, log_every_n_steps=1)
     trainer.fit(model, loader(), **fit_kwargs)
     return trainer, {

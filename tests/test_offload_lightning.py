@@ -7,13 +7,14 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from _metrics import flatten
-from _support import RecordingLogger, assert_same
+from _support import assert_same
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryPrecision, BinaryRecall
 
 import lightning_store
 from lightning_store import offload_to_cpu, storage_report
+from lightning_store._selfcheck._fits import MemoryLogger
 from lightning_store.metrics._reads import _is_offloaded, _queue_of
 
 
@@ -83,7 +84,7 @@ def _trainer(tmp_path, **kwargs):
         "accelerator": "cpu",
         "devices": 1,
         "max_epochs": 2,
-        "logger": RecordingLogger(),
+        "logger": MemoryLogger(),
         "log_every_n_steps": 1,
         "enable_checkpointing": False,
         "enable_progress_bar": False,

@@ -304,15 +304,6 @@ def test_the_sync_check_counts_per_call_and_fails_on_a_sync_after_the_first_step
     assert ("more than plain self.log at steps [5]" in outcome.detail) == (status == "FAIL")
 
 
-@pytest.mark.parametrize("check_id", ["metric_states", "metric_nccl_sync"])
-def test_the_metric_checks_skip_without_store_states_on_cpu(monkeypatch, tmp_path, check_id):
-    monkeypatch.delattr(lightning_store, "store_states_on_cpu", raising=False)
-    (check,) = [check for check in _checks.CHECKS if check.id == check_id]
-    result = run_check(check, Context("cuda", tmp_path))
-    expected = f"lightning_store.store_states_on_cpu is not in lightning-store {lightning_store.__version__}"
-    assert (result.status, result.detail) == ("SKIP", expected)
-
-
 def test_the_sync_dist_check_runs_one_process_ddp_fits_and_leaves_no_process_group_behind(tmp_path):
     """The body of the NCCL check, on gloo: what a GPU machine runs, but for the backend."""
     environ, threads = dict(os.environ), torch.get_num_threads()

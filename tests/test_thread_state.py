@@ -6,7 +6,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from _metrics import Gram
-from _support import RecordingLogger
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import Metric
@@ -14,6 +13,7 @@ from torchmetrics.image import StructuralSimilarityIndexMeasure
 from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_store import offload_to_cpu
+from lightning_store._selfcheck._fits import MemoryLogger
 from lightning_store.metrics._offload.thread.worker import _get_worker
 
 
@@ -191,7 +191,7 @@ class ImagesModel(pl.LightningModule):
 
 
 def _fit(offload: bool, precision: str, quiet_trainer_kwargs) -> list:
-    logger = RecordingLogger()
+    logger = MemoryLogger()
     trainer = pl.Trainer(
         **{**quiet_trainer_kwargs, "logger": logger}, max_epochs=2, precision=precision, log_every_n_steps=1
     )

@@ -1,5 +1,5 @@
 """The self-check behind ``python -m lightning_store``: does ``store_on_cpu`` hold on this machine, at what cost."""
 
-from ._cli import main
+from lightning_store._selfcheck._cli import main
 
 __all__ = ["main"]

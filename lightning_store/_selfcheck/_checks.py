@@ -1,13 +1,13 @@
 """The registry: every check of ``python -m lightning_store``, in the order it runs and prints."""
 
-from ._core import Check
-from ._cuda import check_nccl_sync_dist, check_no_sync
-from ._in_place import check_in_place
-from ._metric import check_metric_nccl_sync, check_metric_states
-from ._offload import check_offload
-from ._offload_pays import check_offload_pays
-from ._timing import check_step_time
-from ._values import check_storage, check_values
+from lightning_store._selfcheck._core import Check
+from lightning_store._selfcheck._cuda import check_nccl_sync_dist, check_no_sync
+from lightning_store._selfcheck._in_place import check_in_place
+from lightning_store._selfcheck._metric import check_metric_nccl_sync, check_metric_states
+from lightning_store._selfcheck._offload import check_offload
+from lightning_store._selfcheck._offload_pays import check_offload_pays
+from lightning_store._selfcheck._timing import check_step_time
+from lightning_store._selfcheck._values import check_storage, check_values
 
 CHECKS: list[Check] = [
     Check("values", "values identical", check_values),

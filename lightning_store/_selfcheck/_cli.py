@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from . import _checks
-from ._core import Context, run_check
-from ._env import best_accelerator, environment
-from ._fits import own_defaults
-from ._render import check_line, environment_block, exit_code, json_document, summary_line
+from lightning_store._selfcheck import _checks
+from lightning_store._selfcheck._core import Context, run_check
+from lightning_store._selfcheck._env import best_accelerator, environment
+from lightning_store._selfcheck._fits import own_defaults
+from lightning_store._selfcheck._render import check_line, environment_block, exit_code, json_document, summary_line
 
 _DESCRIPTION = """\
 Check, on this machine, that lightning-store's store_on_cpu holds: short real Trainer fits on the best device

@@ -9,12 +9,10 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_store import _buffer
-from lightning_store.mixin import StoreOnCPUMixin
-
-from ._core import Context, Outcome, Skip
-from ._fits import batches, make_trainer, one_process_group, quiet
-from ._values import FROM_CPU, ValuesModel, compare_runs, fit_and_record
+from lightning_store import StoreOnCPUMixin, _buffer
+from lightning_store._selfcheck._core import Context, Outcome, Skip
+from lightning_store._selfcheck._fits import batches, make_trainer, one_process_group, quiet
+from lightning_store._selfcheck._values import FROM_CPU, ValuesModel, compare_runs, fit_and_record
 
 KEYS = 10
 STEPS = 30

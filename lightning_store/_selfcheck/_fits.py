@@ -17,10 +17,9 @@ from pytorch_lightning.plugins.environments import LightningEnvironment
 from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_store.warnings import StoreOnCPUDeprecationWarning, StoreOnCPUWarning
-
-from ._core import Context, Skip
-from ._env import trainer_defaults
+from lightning_store import StoreOnCPUDeprecationWarning, StoreOnCPUWarning
+from lightning_store._selfcheck._core import Context, Skip
+from lightning_store._selfcheck._env import trainer_defaults
 
 _LIGHTNING_LOGGERS = ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric")
 # what a launcher or a cluster sets, and what a one-process run must neither inherit nor leave behind
@@ -135,7 +134,7 @@ def synchronize(device: torch.device) -> None:
 
 
 class MemoryLogger(Logger):
-    """Keeps what Lightning hands its loggers, step by step, in memory: nothing is written."""
+    """Keeps every ``log_metrics`` call, step by step, values as Lightning hands them over: nothing is written."""
 
     def __init__(self) -> None:
         super().__init__()

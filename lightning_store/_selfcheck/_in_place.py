@@ -6,11 +6,12 @@ import torch
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
-from ._compare import Comparison, compare
-from ._core import Context, Outcome, Skip
-from ._cuda import require_cuda
-from ._metric import _Configure, _list_state, store_states_on_cpu
-from ._values import FitRecord, ValuesModel, fit_and_record
+from lightning_store import store_states_on_cpu
+from lightning_store._selfcheck._compare import Comparison, compare
+from lightning_store._selfcheck._core import Context, Outcome
+from lightning_store._selfcheck._cuda import require_cuda
+from lightning_store._selfcheck._metric import _Configure, _list_state
+from lightning_store._selfcheck._values import FitRecord, ValuesModel, fit_and_record
 
 BUSY_CYCLES = 2_000_000  # of `torch.cuda._sleep`: about a millisecond of GPU work queued before each call
 KEYS = ("changed", "running")  # the keys logged, then changed in place
@@ -108,14 +109,14 @@ def in_place_outcome(context: Context, configure: _Configure | None) -> Outcome:
 
     Args:
         context: the self-check's context.
-        configure: ``store_states_on_cpu``, or ``None`` where lightning-store has none (the Metric is not checked).
+        configure: ``store_states_on_cpu``, or ``None``: the logged values only, no Metric checked.
     """
     logged = _logged_runs(context)
     problems = []
     if not logged.compared or not logged.passed(0.0):
         problems.append(f"logged values: {logged.describe() if logged.compared else 'none compared'}")
     data: dict[str, Any] = {"logged": logged.as_data(), "metric_updates": 0}
-    metric = "; no Metric checked: this lightning-store has no store_states_on_cpu"
+    metric = "; no Metric checked"
     if configure is not None:
         different, on_cpu = _metric_run(context, configure)
         data.update(metric_updates=UPDATES, metric_elements_different=different, metric_states_on_cpu=on_cpu)
@@ -133,8 +134,4 @@ def in_place_outcome(context: Context, configure: _Configure | None) -> Outcome:
 def check_in_place(context: Context) -> Outcome:
     """Check 7: a value changed in place right after the call is kept as it was, logged or in a list state."""
     require_cuda(context, "the copies to the CPU run on a side stream on CUDA only")
-    try:
-        configure: _Configure | None = store_states_on_cpu()
-    except Skip:
-        configure = None
-    return in_place_outcome(context, configure)
+    return in_place_outcome(context, store_states_on_cpu)

@@ -1,4 +1,4 @@
-"""Check 6, when ``store_states_on_cpu`` exists: a Metric's list states on the CPU, same values, NCCL sync."""
+"""Check 6: ``store_states_on_cpu`` keeps a Metric's list states on the CPU, same values, NCCL sync."""
 
 import contextlib
 from collections.abc import Callable
@@ -10,33 +10,16 @@ import torch
 from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC
 
-import lightning_store
-
-try:
-    from lightning_store.metrics import states as metric_states
-except ImportError:  # a lightning-store without store_states_on_cpu: check 6 skips
-    metric_states = None  # type: ignore[assignment]
-
-from ._compare import Comparison, compare
-from ._core import Context, Outcome, Skip
-from ._cuda import require_cuda
-from ._fits import batches, make_trainer, one_process_group, quiet
+from lightning_store import store_states_on_cpu
+from lightning_store._selfcheck._compare import Comparison, compare
+from lightning_store._selfcheck._core import Context, Outcome
+from lightning_store._selfcheck._cuda import require_cuda
+from lightning_store._selfcheck._fits import batches, make_trainer, one_process_group, quiet
+from lightning_store.metrics._reads import _settle_states
 
 # AUROC sorts and sums on the device of its states: the CPU-stored states sum on the CPU, in another order
 RTOL = 1e-5
 _Configure = Callable[[Metric], Metric]
-
-
-def store_states_on_cpu() -> _Configure:
-    """``lightning_store.store_states_on_cpu``.
-
-    Raises:
-        Skip: if this version of lightning-store has none.
-    """
-    configure = getattr(lightning_store, "store_states_on_cpu", None)
-    if configure is None:
-        raise Skip(f"lightning_store.store_states_on_cpu is not in lightning-store {lightning_store.__version__}")
-    return configure
 
 
 class MetricModel(pl.LightningModule):
@@ -65,7 +48,7 @@ class MetricModel(pl.LightningModule):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.in_flight_bytes = max(self.in_flight_bytes, self._off_cpu_bytes())
-        _settle(self.auroc)  # copies in flight are counted where they land, as `storage_report` counts them
+        _settle_states(self.auroc)  # copies in flight are counted where they land, as `storage_report` counts them
         self.off_cpu_bytes = max(self.off_cpu_bytes, self._off_cpu_bytes())
 
     def _off_cpu_bytes(self) -> int:
@@ -83,13 +66,6 @@ class MetricModel(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _settle(metric: Metric) -> None:
-    """Complete the copies in flight of a configured Metric (a lightning-store without this settles nothing)."""
-    settle = getattr(metric_states, "_settle_states", None) if metric_states is not None else None
-    if settle is not None:
-        settle(metric)
 
 
 def _list_state(metric: Metric, name: str) -> list[torch.Tensor]:
@@ -151,15 +127,13 @@ def _verdict(runs: _MetricRuns, context: Context, suffix: str) -> Outcome:
 
 def check_metric_states(context: Context) -> Outcome:
     """Check 6: ``store_states_on_cpu(metric)`` gives the same values, with its list states on the CPU."""
-    configure = store_states_on_cpu()
-    return _verdict(_metric_runs(context, configure, ddp=False), context, "")
+    return _verdict(_metric_runs(context, store_states_on_cpu, ddp=False), context, "")
 
 
 def check_metric_nccl_sync(context: Context) -> Outcome:
     """Check 6, on CUDA: the same through a one-process ``ddp`` fit, where the metric syncs through NCCL."""
-    configure = store_states_on_cpu()
     require_cuda(context, "NCCL runs on CUDA devices only")
-    return metric_sync_outcome(context, configure, expected_backend="nccl")
+    return metric_sync_outcome(context, store_states_on_cpu, expected_backend="nccl")
 
 
 def metric_sync_outcome(context: Context, configure: _Configure, expected_backend: str) -> Outcome:

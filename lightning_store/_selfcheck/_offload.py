@@ -10,10 +10,9 @@ from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offload.front import _queue_of
-
-from ._core import Context, Outcome, Skip
-from ._cuda import _BlockedWaits, host_syncs, require_cuda
+from lightning_store._selfcheck._core import Context, Outcome, Skip
+from lightning_store._selfcheck._cuda import _BlockedWaits, host_syncs, require_cuda
+from lightning_store.metrics._reads import _queue_of
 
 BATCHES = 12  # of the CPU part
 UPDATES = 20  # per Metric, counted on CUDA after the first (which checks the Metric once, with a host sync)

@@ -9,9 +9,8 @@ from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_store import offload_to_cpu
-
-from ._core import Context, Outcome
-from ._fits import quiet
+from lightning_store._selfcheck._core import Context, Outcome
+from lightning_store._selfcheck._fits import quiet
 
 OPS = 900  # small ops a step: a step mostly Python, as a host launching a GPU's kernels
 PREDICTIONS = 1000

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
-from ._core import CheckResult
+from lightning_store._selfcheck._core import CheckResult
 
 SCHEMA = 1  # of the JSON document; raised when a field changes meaning or goes away
 INDENT = " " * 6  # under a check's status: its detail and its table

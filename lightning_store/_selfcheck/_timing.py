@@ -8,10 +8,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 
-from lightning_store.mixin import StoreOnCPUMixin
-
-from ._core import Context, Outcome
-from ._fits import batches, make_trainer, quiet, synchronize
+from lightning_store import StoreOnCPUMixin
+from lightning_store._selfcheck._core import Context, Outcome
+from lightning_store._selfcheck._fits import batches, make_trainer, quiet, synchronize
 
 KEYS = 8
 STEPS = 30

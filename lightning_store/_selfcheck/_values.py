@@ -7,13 +7,11 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 
-from lightning_store.mixin import StoreOnCPUMixin
-from lightning_store.report import KeyStorage, format_storage_report, storage_report
-
-from ._compare import RTOL, Comparison, as_float, compare
-from ._core import Context, Outcome
-from ._fits import MemoryLogger, batches, make_trainer, quiet
-from ._render import INDENT, terminal_width
+from lightning_store import KeyStorage, StoreOnCPUMixin, format_storage_report, storage_report
+from lightning_store._selfcheck._compare import RTOL, Comparison, as_float, compare
+from lightning_store._selfcheck._core import Context, Outcome
+from lightning_store._selfcheck._fits import MemoryLogger, batches, make_trainer, quiet
+from lightning_store._selfcheck._render import INDENT, terminal_width
 
 FROM_CPU = "_from_cpu"  # suffix of the keys that log a CPU copy of a device value
 
