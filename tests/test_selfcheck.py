@@ -140,13 +140,10 @@ def test_on_a_machine_without_cuda_the_cpu_checks_pass_and_the_cuda_checks_skip_
     timing = checks["step_time"]
     assert timing["status"] == "INFO" and timing["data"]["ratio"] > 0
     assert len(timing["data"]["stored_step_s"]) == len(timing["data"]["plain_step_s"]) == _timing.ROUNDS
-    if hasattr(lightning_store, "store_states_on_cpu"):
-        assert checks["metric_states"]["status"] == "PASS", checks["metric_states"]["detail"]
-        assert checks["metric_states"]["data"]["accelerator_bytes"] == 0
-        assert checks["metric_states"]["data"]["state_tensors"] > 0
-        assert checks["metric_nccl_sync"]["detail"] == NO_CUDA + "NCCL runs on CUDA devices only"
-    else:
-        assert checks["metric_states"]["status"] == checks["metric_nccl_sync"]["status"] == "SKIP"
+    assert checks["metric_states"]["status"] == "PASS", checks["metric_states"]["detail"]
+    assert checks["metric_states"]["data"]["accelerator_bytes"] == 0
+    assert checks["metric_states"]["data"]["state_tensors"] > 0
+    assert checks["metric_nccl_sync"]["detail"] == NO_CUDA + "NCCL runs on CUDA devices only"
     assert (checks["in_place"]["status"], checks["in_place"]["detail"]) == ("SKIP", NO_CUDA + IN_PLACE_NEEDS)
     offload = checks["offload"]  # its CPU part passes, its CUDA part is skipped with the reason
     assert offload["status"] == "PASS", offload["detail"]
@@ -318,7 +315,6 @@ def test_the_sync_dist_check_runs_one_process_ddp_fits_and_leaves_no_process_gro
     assert failed.status == "FAIL" and "process-group backends 'gloo' and 'gloo', not 'nccl'" in failed.detail
 
 
-@pytest.mark.skipif(not hasattr(lightning_store, "store_states_on_cpu"), reason="no store_states_on_cpu yet")
 def test_the_metric_sync_check_runs_one_process_ddp_fits_on_gloo(tmp_path):
     outcome = _metric.metric_sync_outcome(Context("cpu", tmp_path), lightning_store.store_states_on_cpu, "gloo")
     assert outcome.status == "PASS", outcome.detail
