@@ -16,7 +16,7 @@ from lightning_store.metrics._offload.draws import _drawn, _host_states
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _Arena
 from lightning_store.metrics._offload.process.inputs import _read_inputs
-from lightning_store.metrics._offload.thread.worker import _Inline
+from lightning_store.metrics._offload.workers import _Inline
 
 _MODULE_OWN = frozenset(vars(Module())) | {"_offload", "_defaults", "_persistent", "_reductions"}
 _KEPT_WARNINGS = 20  # at most, by update: the rest are dropped (the answer stays small)

@@ -1,9 +1,7 @@
 """The worker process of this process, seen from here: started at the first update sent, fed through a pipe."""
 
-import atexit
 import contextlib
 import multiprocessing
-import os
 import pickle
 import threading
 import warnings
@@ -16,6 +14,7 @@ from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _Arena, _Space
 from lightning_store.metrics._offload.process.ended import _check_main_runs_again, _why_ended
 from lightning_store.metrics._offload.process.inputs import _Outgoing
+from lightning_store.metrics._offload.workers import _PerProcess
 
 if TYPE_CHECKING:
     from lightning_store.metrics._offload.process.queue import _ProcessQueue
@@ -96,7 +95,7 @@ class _ProcessWorker:
         self.process = context.Process(target=_serve, args=(theirs,), name="lightning-store-offload", daemon=True)
         self.process.start()
         theirs.close()
-        _register_process_hooks()
+        _PROCESS.started()
 
     def send(self, message: tuple, start: bool = False) -> None:
         self.send_bytes(pickle.dumps(message), start)
@@ -291,27 +290,21 @@ class _ProcessWorker:
         self.space.close()  # the outbox's arenas are in flight
 
 
-_worker = _ProcessWorker()
-_registered = False
-
-
-def _fresh_in_child() -> None:
+def _in_child(old: _ProcessWorker, new: _ProcessWorker) -> None:
     # a forked process (a DataLoader worker) has no worker process of its own, and the parent's is not its own:
     # an object whose updates ran there, and whose states were not read back, cannot be read here
-    global _worker
-    old, _worker = _worker, _ProcessWorker()
     for queue in list(old.queues.values()):
         if queue.ahead():
             queue.lost = "It was copied into a forked process (a DataLoader worker, say) while its worker process had"
             queue.lost += " updates this process had not read back."
         queue.sent, queue.pending, queue.ahead_there = False, 0, False
-        queue.id = _worker.new_id(queue)
+        queue.id = new.new_id(queue)
     old.conn = old.process = None  # not ours to close
 
 
-def _register_process_hooks() -> None:
-    global _registered
-    if not _registered:
-        _registered = True
-        os.register_at_fork(after_in_child=_fresh_in_child)
-        atexit.register(lambda: _worker.stop())
+_PROCESS = _PerProcess(_ProcessWorker, _ProcessWorker.stop, in_child=_in_child)
+
+
+def _process_worker() -> _ProcessWorker:
+    """The worker process of this process, as seen from here."""
+    return _PROCESS.get()

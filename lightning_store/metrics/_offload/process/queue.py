@@ -10,12 +10,12 @@ from torch.nn import Module
 
 from lightning_store.metrics._offload.caller_state import _CallerState
 from lightning_store.metrics._offload.guard import _Refused
-from lightning_store.metrics._offload.process import parent as _process_worker
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.ended import _RESET, _why_not_made
 from lightning_store.metrics._offload.process.inputs import _Outgoing
+from lightning_store.metrics._offload.process.parent import _process_worker
 from lightning_store.metrics._offload.queue import _Failure, _Queue, _wait_for_room
-from lightning_store.metrics._offload.thread.worker import _Inline
+from lightning_store.metrics._offload.workers import _Inline
 
 
 class _ProcessQueue(_Queue):
@@ -32,7 +32,7 @@ class _ProcessQueue(_Queue):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.root: Module | None = None
-        self.id = _process_worker._worker.new_id(self)
+        self.id = _process_worker().new_id(self)
         self.sent = False  # whether the worker process holds a copy of `root` that counts
         self.ahead_there = False  # whether updates ran there since its states were copied back
         self.paths: dict[int, str] = {}  # id of a Module of `root` -> its name in `root`
@@ -58,10 +58,10 @@ class _ProcessQueue(_Queue):
 
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
         if self.pending:  # the answers that arrived: an update that failed is said at this call, as with a thread
-            with _process_worker._worker.lock:
-                _process_worker._worker.receive_ready()
+            with _process_worker().lock:
+                _process_worker().receive_ready()
         self.report()
-        if _process_worker._worker.stopping:  # the process is exiting (an update from another exit handler)
+        if _process_worker().stopping:  # the process is exiting (an update from another exit handler)
             if self.ahead():
                 self.dropped += 1
                 self.report()
@@ -78,45 +78,45 @@ class _ProcessQueue(_Queue):
             queue.queue_update(obj, update, args, kwargs)
             return
         outgoing = _Outgoing(args, kwargs)
-        with _process_worker._worker.lock:
+        with _process_worker().lock:
             self._send_root()
-            waited = _wait_for_room(self, _process_worker._worker.receive, _process_worker._worker.receive_ready)
+            waited = _wait_for_room(self, _process_worker().receive, _process_worker().receive_ready)
             if self.lost is not None:  # lost while it waited
                 self.report()
             head = ("update", self.id, self.queued + 1, path)
-            generation = _process_worker._worker.generation
-            _process_worker._worker.queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
-            if _process_worker._worker.generation != generation:  # the worker process ended while it waited
+            generation = _process_worker().generation
+            _process_worker().queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
+            if _process_worker().generation != generation:  # the worker process ended while it waited
                 if self.lost is not None:
-                    _process_worker._worker.unqueue_last()
+                    _process_worker().unqueue_last()
                     self.report()
                 self._send_root()  # nothing of it was lost: the new worker process gets it before the update
             self.pending += 1
             self.queued += 1
             self.ahead_there = True
-            _process_worker._worker.flush(wait=False)
+            _process_worker().flush(wait=False)
         self._count_wait(waited)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:
-        with _process_worker._worker.lock:
+        with _process_worker().lock:
             self._send_root()
             self.pending += 1
-            _process_worker._worker.send_call(("call", self.id, self._path(obj), method, args))
+            _process_worker().send_call(("call", self.id, self._path(obj), method, args))
 
     def settle(self) -> None:
-        with _process_worker._worker.lock:
+        with _process_worker().lock:
             self._wait()
             if self.ahead_there and self.lost is None:
-                _process_worker._worker.pull(self)
+                _process_worker().pull(self)
             self.ahead_there = False
             self.sent = False  # read here, it may be changed here: the worker process gets it again
         self.report()
 
     def _wait(self) -> None:
-        with _process_worker._worker.lock:
-            _process_worker._worker.flush()
+        with _process_worker().lock:
+            _process_worker().flush()
             while self.pending and self.lost is None:
-                _process_worker._worker.receive()
+                _process_worker().receive()
 
     def _report_more(self) -> None:
         if self.lost is None:
@@ -157,7 +157,7 @@ class _ProcessQueue(_Queue):
 
     def _raise_failure(self) -> None:
         self._wait()
-        _process_worker._worker.send(("resume", self.id))  # the worker process runs this object's updates again
+        _process_worker().send(("resume", self.id))  # the worker process runs this object's updates again
         super()._raise_failure()
 
     def on_done(self, number: int | None, error: Any, kept: list, drawn: list[str], discarded: bool) -> None:
@@ -190,7 +190,7 @@ class _ProcessQueue(_Queue):
         """
         if self.lost is not None:
             self.report()
-        worker = _process_worker._worker
+        worker = _process_worker()
         if self.sent and worker.alive():
             return
         if self.lost is not None:  # it ended with updates of this object

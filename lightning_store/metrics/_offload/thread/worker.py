@@ -1,7 +1,5 @@
 """The one background thread per process that runs offloaded Metrics' updates, in the order they were called."""
 
-import atexit
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -9,23 +7,7 @@ from typing import Any
 
 from lightning_store.metrics._offload.kept_warnings import _install, _uninstall
 from lightning_store.metrics._offload.queue import _Failure
-
-_local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
-
-
-def _runs_inline() -> bool:
-    """Whether this thread runs an offloaded Metric's methods directly, rather than queueing or waiting."""
-    return getattr(_local, "inline", 0) > 0
-
-
-class _Inline:
-    """``with _Inline():`` runs an offloaded Metric's methods directly in this thread (its ``forward``)."""
-
-    def __enter__(self) -> None:
-        _local.inline = getattr(_local, "inline", 0) + 1
-
-    def __exit__(self, *exc: Any) -> None:
-        _local.inline -= 1
+from lightning_store.metrics._offload.workers import _local, _PerProcess
 
 
 class _Job:
@@ -44,7 +26,7 @@ class _Job:
         self.obj = obj
 
 
-class _Worker:
+class _WorkerThread:
     """A daemon thread started at the first job, with one FIFO for every offloaded Metric of the process.
 
     ``lock`` guards the FIFO and every queue's counts; ``changed`` is notified when a job is queued or done. Before
@@ -67,7 +49,7 @@ class _Worker:
     def submit(self, job: _Job) -> None:
         """Queue ``job``; the caller holds ``lock`` and has counted it as pending on its queue."""
         if self.thread is None:
-            _register_process_hooks()
+            _THREAD.started()
             _install()  # a warning an update gives in the thread is kept for its caller
             self.thread = threading.Thread(target=self._loop, name="lightning-store-offload", daemon=True)
             self.thread.start()
@@ -132,26 +114,9 @@ class _Worker:
         _uninstall()
 
 
-_worker = _Worker()
+_THREAD = _PerProcess(_WorkerThread, _WorkerThread.stop, before_fork=_WorkerThread.quiesce)
 
 
-def _get_worker() -> _Worker:
-    return _worker
-
-
-def _fresh_in_child() -> None:
-    # the parent's thread does not exist here, and its lock may have been held by it: a worker of the child's own
-    global _worker
-    _worker = _Worker()
-
-
-_registered = False
-
-
-def _register_process_hooks() -> None:
-    """Register, once and only when a worker first starts, what a fork and the process's exit must do."""
-    global _registered
-    if not _registered:
-        _registered = True
-        os.register_at_fork(before=lambda: _worker.quiesce(), after_in_child=_fresh_in_child)
-        atexit.register(lambda: _worker.stop())
+def _thread_worker() -> _WorkerThread:
+    """The worker thread of this process."""
+    return _THREAD.get()
