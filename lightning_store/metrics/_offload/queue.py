@@ -81,6 +81,15 @@ class _Queue:
         """Wait until no update is pending."""
         raise NotImplementedError
 
+    def ran(self) -> None:
+        """Count a queued update or call as run by the worker (or not run, after a failed one): one less pending."""
+        self.pending -= 1
+
+    def dropped_at_exit(self, count: int = 1) -> None:
+        """Count ``count`` pending updates or calls as dropped, not run, as the process began to exit."""
+        self.pending -= count
+        self.dropped += count
+
     def _count_wait(self, waited: float | None) -> None:
         """Count an update's call (``waited``: how long it waited for room); say once if the worker falls behind."""
         if waited is not None:

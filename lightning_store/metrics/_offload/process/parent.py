@@ -7,7 +7,9 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+from torch.nn import Module
 
 from lightning_store.metrics._offload.caller_state import _CallerState
 from lightning_store.metrics._offload.process import pickling as _pickling
@@ -16,8 +18,29 @@ from lightning_store.metrics._offload.process.ended import _check_main_runs_agai
 from lightning_store.metrics._offload.process.inputs import _Outgoing
 from lightning_store.metrics._offload.workers import _PerProcess
 
-if TYPE_CHECKING:
-    from lightning_store.metrics._offload.process.queue import _ProcessQueue
+
+class _Offloaded(Protocol):
+    """What the worker process's side here asks of an object's queue (a ``_ProcessQueue``), which writes its own."""
+
+    id: int
+    pending: int
+    lost: str | None
+    root: Module | None
+
+    def ahead(self) -> bool: ...
+
+    def on_done(self, number: int | None, error: Any, kept: list, drawn: list[str], discarded: bool) -> None: ...
+
+    def on_broken(self, error: tuple) -> None: ...
+
+    def on_not_pulled(self, error: tuple) -> None: ...
+
+    def worker_lost(self, reason: str, hint: str) -> None: ...
+
+    def forked(self, new_id: int, reason: str) -> None: ...
+
+    def dropped_at_exit(self, count: int = 1) -> None: ...
+
 
 _LIVENESS_S = 5.0  # as torch's DataLoader: a wait for an answer looks this often whether the worker process lives
 _IDLE_S = 10.0  # once every offloaded object is gone, the worker process ends after this (a new one starts if need be)
@@ -42,7 +65,7 @@ class _ProcessWorker:
         self.lock = threading.RLock()
         self.conn: Any = None
         self.process: Any = None
-        self.queues: weakref.WeakValueDictionary[int, _ProcessQueue] = weakref.WeakValueDictionary()
+        self.queues: weakref.WeakValueDictionary[int, _Offloaded] = weakref.WeakValueDictionary()
         self.ids = 0
         self.space = _Space(self._forget)  # the arenas of the updates' inputs
         self.outbox: deque[tuple[tuple, _Outgoing, _CallerState, _Arena | None, bytes]] = deque()  # to send, in order
@@ -55,7 +78,7 @@ class _ProcessWorker:
         self.fatal: tuple | None = None  # the error that ended it, as it sent it
         self.generation = 0  # counts the worker processes lost: a message sent to a lost one is sent again
 
-    def new_id(self, queue: "_ProcessQueue") -> int:
+    def new_id(self, queue: _Offloaded) -> int:
         self.ids += 1
         self.queues[self.ids] = queue
         weakref.finalize(queue, self._dropped, self.ids)
@@ -230,7 +253,7 @@ class _ProcessWorker:
         except (OSError, ValueError):
             self._lost()
 
-    def pull(self, queue: "_ProcessQueue") -> None:
+    def pull(self, queue: _Offloaded) -> None:
         """Copy the states of the worker process's copy of ``queue.root`` into ``queue.root``."""
         self.pulled.pop(queue.id, None)
         self.send(("pull", queue.id))
@@ -258,9 +281,7 @@ class _ProcessWorker:
         code = self.process.exitcode if self.process is not None else None
         reason, hint = _why_ended(code, self.ready, self.fatal)
         for queue in list(self.queues.values()):
-            if queue.ahead():
-                queue.lost, queue.lost_hint = reason, hint
-            queue.pending, queue.sent, queue.ahead_there = 0, False, False
+            queue.worker_lost(reason, hint)
         self._forget_worker()
 
     def _forget_worker(self) -> None:
@@ -279,8 +300,7 @@ class _ProcessWorker:
         """Let the worker process end, dropping the updates it has not run (at exit), and free the arenas."""
         self.stopping = True
         for queue in list(self.queues.values()):
-            queue.dropped += queue.pending
-            queue.pending = 0
+            queue.dropped_at_exit(queue.pending)
         if self.conn is not None:
             with contextlib.suppress(OSError):  # it ended already
                 self.conn.send(("stop",))
@@ -290,15 +310,17 @@ class _ProcessWorker:
         self.space.close()  # the outbox's arenas are in flight
 
 
+_FORKED = (
+    "It was copied into a forked process (a DataLoader worker, say) while its worker process had updates this"
+    " process had not read back."
+)
+
+
 def _in_child(old: _ProcessWorker, new: _ProcessWorker) -> None:
     # a forked process (a DataLoader worker) has no worker process of its own, and the parent's is not its own:
     # an object whose updates ran there, and whose states were not read back, cannot be read here
     for queue in list(old.queues.values()):
-        if queue.ahead():
-            queue.lost = "It was copied into a forked process (a DataLoader worker, say) while its worker process had"
-            queue.lost += " updates this process had not read back."
-        queue.sent, queue.pending, queue.ahead_there = False, 0, False
-        queue.id = new.new_id(queue)
+        queue.forked(new.new_id(queue), _FORKED)
     old.conn = old.process = None  # not ours to close
 
 

@@ -162,7 +162,7 @@ class _ProcessQueue(_Queue):
 
     def on_done(self, number: int | None, error: Any, kept: list, drawn: list[str], discarded: bool) -> None:
         """An update (``number``) or a call ran in the worker process, or was not run after a failed one."""
-        self.pending -= 1
+        self.ran()
         if discarded:
             if self.failure is not None:
                 self.failure.discarded += number is not None
@@ -182,6 +182,19 @@ class _ProcessQueue(_Queue):
                 " (`torch.Generator`, `random.Random(seed)`, `np.random.default_rng(seed)`)."
             )
             self.failure = _Failure(_Refused(reason, hint), number)
+
+    def worker_lost(self, reason: str, hint: str) -> None:
+        """The worker process ended: lost with ``reason`` (and ``hint``) if it had updates not here; nothing sent."""
+        if self.ahead():
+            self.lost, self.lost_hint = reason, hint
+        self.pending, self.sent, self.ahead_there = 0, False, False
+
+    def forked(self, new_id: int, reason: str) -> None:
+        """This process is a fork, whose worker process is not the parent's: lost with ``reason`` if it was ahead."""
+        if self.ahead():
+            self.lost = reason
+        self.sent, self.pending, self.ahead_there = False, 0, False
+        self.id = new_id
 
     def _send_root(self) -> None:
         """Send the worker process a copy of ``root``, unless it holds one that counts.

@@ -75,7 +75,14 @@ class _ThreadQueue(_Queue):
             self._count_wait(waited)
 
     def run(self, job: _Job) -> None:
-        """Run ``job`` in the worker, unless an earlier update of this queue raised."""
+        """Run ``job`` in the worker, unless an earlier update of this queue raised; what it raises is kept."""
+        try:
+            self._run(job)
+        except BaseException as error:  # in the queue's own steps: kept for the caller, and the worker goes on
+            if self.failure is None:
+                self.failure = _Failure(error, job.number)
+
+    def _run(self, job: _Job) -> None:
         if self.failure is not None:
             self.failure.discarded += job.number is not None
             return

@@ -3,11 +3,20 @@
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from lightning_store.metrics._offload.kept_warnings import _install, _uninstall
-from lightning_store.metrics._offload.queue import _Failure
 from lightning_store.metrics._offload.workers import _local, _PerProcess
+
+
+class _JobsQueue(Protocol):
+    """What the worker thread asks of a job's queue (a ``_ThreadQueue``), which alone writes its counts."""
+
+    def run(self, job: "_Job") -> None: ...
+
+    def ran(self) -> None: ...
+
+    def dropped_at_exit(self, count: int = 1) -> None: ...
 
 
 class _Job:
@@ -18,7 +27,7 @@ class _Job:
 
     __slots__ = ("number", "obj", "queue", "run", "state")
 
-    def __init__(self, queue: Any, number: int | None, run: Callable[[], Any], state: Any, obj: Any) -> None:
+    def __init__(self, queue: _JobsQueue, number: int | None, run: Callable[[], Any], state: Any, obj: Any) -> None:
         self.queue = queue
         self.number = number
         self.run = run
@@ -81,14 +90,11 @@ class _WorkerThread:
                 job = self.jobs.popleft()
                 self.busy = True
             try:
-                job.queue.run(job)
-            except BaseException as error:  # in the queue's own steps: kept for the caller, and this thread goes on
-                if job.queue.failure is None:
-                    job.queue.failure = _Failure(error, job.number)
+                job.queue.run(job)  # what it raises is kept for the caller
             finally:
                 with self.lock:
                     self.busy = False
-                    job.queue.pending -= 1
+                    job.queue.ran()
                     self.changed.notify_all()
 
     def quiesce(self) -> None:
@@ -103,8 +109,7 @@ class _WorkerThread:
         """Drop the jobs not yet run and let the thread end (at exit)."""
         with self.lock:
             for job in self.jobs:
-                job.queue.pending -= 1
-                job.queue.dropped += 1
+                job.queue.dropped_at_exit()
             self.jobs.clear()
             self.stopping = True
             self.changed.notify_all()
