@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -226,11 +227,11 @@ def _assert_no_guard_hint_and_going_on_after_reset(offloaded, error):
 def test_a_worker_process_that_ended_on_an_error_is_said_with_the_error():
     offloaded = offload_to_cpu(Plain(), worker="process")
     offloaded.update(torch.ones(2))
-    _process_worker().send(("no such message",))  # the worker process raises AttributeError, and ends
+    _process_worker().send_bytes(pickle.dumps(("no such message",)))  # the worker process raises, and ends
     with pytest.raises(
         RuntimeError,
         match=r"^Plain: lightning-store's offload worker process ended \(exit code 1\)\. Its last exception:"
-        r" AttributeError: '_Worker' object has no attribute '_no such message'\.",
+        r" ValueError: not a message of lightning-store's offload worker: \('no such message',\)\.",
     ) as err:
         offloaded.compute()
     _assert_no_guard_hint_and_going_on_after_reset(offloaded, err.value)

@@ -13,6 +13,7 @@ from lightning_store.metrics._offload.guard import _Refused
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.ended import _RESET, _why_not_made
 from lightning_store.metrics._offload.process.inputs import _Outgoing
+from lightning_store.metrics._offload.process.messages import _Call, _Replace, _Resume
 from lightning_store.metrics._offload.process.parent import _process_worker
 from lightning_store.metrics._offload.queue import _Failure, _Queue, _wait_for_room
 from lightning_store.metrics._offload.workers import _Inline
@@ -83,7 +84,7 @@ class _ProcessQueue(_Queue):
             waited = _wait_for_room(self, _process_worker().receive, _process_worker().receive_ready)
             if self.lost is not None:  # lost while it waited
                 self.report()
-            head = ("update", self.id, self.queued + 1, path)
+            head = (self.id, self.queued + 1, path)
             generation = _process_worker().generation
             _process_worker().queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
             if _process_worker().generation != generation:  # the worker process ended while it waited
@@ -101,7 +102,7 @@ class _ProcessQueue(_Queue):
         with _process_worker().lock:
             self._send_root()
             self.pending += 1
-            _process_worker().send_call(("call", self.id, self._path(obj), method, args))
+            _process_worker().send_call(_Call(self.id, self._path(obj), method, args))
 
     def settle(self) -> None:
         with _process_worker().lock:
@@ -139,8 +140,17 @@ class _ProcessQueue(_Queue):
         reason, hint = _why_not_made(error)
         self.lost, self.lost_hint = reason, f"{hint} Then {_RESET}"
 
-    def on_not_pulled(self, error: tuple) -> None:
-        """The worker process could not send the states back: what its updates did cannot come here."""
+    def on_pulled(self, payload: bytes | None, error: tuple | None) -> None:
+        """The states the worker process sent back (``payload``), copied into ``root``; or why it could not."""
+        if error is not None:
+            self._not_pulled(error)
+        if payload is None or self.root is None:
+            return
+        for module, values in zip(self.root.modules(), pickle.loads(payload), strict=True):
+            module.__dict__.update(values)
+
+    def _not_pulled(self, error: tuple) -> None:
+        # the worker process could not send the states back: what its updates did cannot come here
         _, name, text, _, where = error
         if where:
             self.lost = (
@@ -157,7 +167,7 @@ class _ProcessQueue(_Queue):
 
     def _raise_failure(self) -> None:
         self._wait()
-        _process_worker().send(("resume", self.id))  # the worker process runs this object's updates again
+        _process_worker().send(_Resume(self.id))  # the worker process runs this object's updates again
         super()._raise_failure()
 
     def on_done(self, number: int | None, error: Any, kept: list, drawn: list[str], discarded: bool) -> None:
@@ -189,10 +199,13 @@ class _ProcessQueue(_Queue):
             self.lost, self.lost_hint = reason, hint
         self.pending, self.sent, self.ahead_there = 0, False, False
 
-    def forked(self, new_id: int, reason: str) -> None:
-        """This process is a fork, whose worker process is not the parent's: lost with ``reason`` if it was ahead."""
+    def forked(self, new_id: int) -> None:
+        """This process is a fork, whose worker process is not the parent's (``new_id``: its id in this one's)."""
         if self.ahead():
-            self.lost = reason
+            self.lost = (
+                "It was copied into a forked process (a DataLoader worker, say) while its worker process had updates"
+                " this process had not read back."
+            )
         self.sent, self.pending, self.ahead_there = False, 0, False
         self.id = new_id
 
@@ -220,7 +233,7 @@ class _ProcessQueue(_Queue):
             ) from error
         for _ in range(2):  # once more, to a new worker process, if this one ended before it got it
             generation = worker.generation
-            worker.send(("replace", self.id, payload), start=True)
+            worker.send(_Replace(self.id, payload), start=True)
             if worker.generation == generation:
                 self.sent = True
                 return
