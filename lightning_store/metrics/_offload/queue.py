@@ -37,8 +37,9 @@ class _Queue:
     the caller's code do not happen. The Metric's state is the plain one after a failed update (torchmetrics
     counts it, and keeps what it changed before it raised).
 
-    A worker is a thread of this process (``_in_thread._ThreadQueue``) or a process of its own
-    (``_in_process._ProcessQueue``), which say how an update is queued, run and waited for.
+    A worker is a thread of this process (``thread.queue._ThreadQueue``) or a process of its own
+    (``process.queue._ProcessQueue``), which say how an update is queued, run and waited for: the NOTE in
+    ``workers.py``. The queue alone writes its counts; its workers call :meth:`ran` and :meth:`dropped_at_exit`.
     """
 
     worker = ""  # "thread" or "process"

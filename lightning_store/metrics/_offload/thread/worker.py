@@ -38,10 +38,8 @@ class _Job:
 class _WorkerThread:
     """A daemon thread started at the first job, with one FIFO for every offloaded Metric of the process.
 
-    ``lock`` guards the FIFO and every queue's counts; ``changed`` is notified when a job is queued or done. Before
-    the process forks (a DataLoader worker), the FIFO is run to its end, so the child starts with every state whole
-    and no torch call in flight in another thread; the child gets a worker of its own, started when it needs one.
-    At exit, jobs not yet run are dropped (nothing can read them any more) and the thread is given a moment to end.
+    ``lock`` guards the FIFO and every queue's counts; ``changed`` is notified when a job is queued or done. How it
+    starts, runs, fails and stops (at a fork, at exit): the NOTE in ``workers.py``.
     """
 
     exit_timeout_s = 2.0
