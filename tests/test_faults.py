@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from torch import Tensor
 from torchmetrics import SumMetric
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offload.process import parent as _process_worker
+from lightning_store.metrics._offload.process.parent import _process_worker
 
 pytestmark = pytest.mark.faults
 
@@ -26,7 +27,8 @@ import gc, os, pickle, signal, sys, threading, time
 import torch
 from torchmetrics import CatMetric, SumMetric
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offload.process import parent as _process_worker
+from lightning_store.metrics._offload.process import parent as _parent
+from lightning_store.metrics._offload.process.parent import _process_worker
 """
 
 
@@ -172,7 +174,7 @@ def test_too_little_room_in_dev_shm_is_said_before_a_write_there_and_the_metric_
         _arena._room = lambda: (12 * 2**20, 64 * 2**20)  # room for one update's inputs, not for 4
         for value in range(3):
             metric.update(torch.full((2**20,), float(value)))
-        print(metric.compute().sum().item(), _process_worker._worker.space.arena.size)
+        print(metric.compute().sum().item(), _process_worker().space.arena.size)
         """)
     )
     assert out[0].startswith(
@@ -190,21 +192,21 @@ def test_a_worker_process_killed_after_a_read_is_replaced_and_given_the_state_he
     for m in (offloaded, plain):
         m.update(torch.ones(2))
     assert offloaded.compute() == plain.compute()
-    _process_worker._worker.process.kill()  # as the out-of-memory killer would
-    _process_worker._worker.process.join(10)
+    _process_worker().process.kill()  # as the out-of-memory killer would
+    _process_worker().process.join(10)
     for m in (offloaded, plain):
         m.update(torch.full((3,), 2.0))
         m.update(torch.full((3,), 4.0))
     assert offloaded.compute() == plain.compute() == 20.0
-    assert _process_worker._worker.process.is_alive()
+    assert _process_worker().process.is_alive()
 
 
 def test_a_worker_process_killed_with_updates_not_read_back_is_said_by_its_signal():
     offloaded = offload_to_cpu(Plain(), worker="process")
     offloaded.update(torch.ones(2))
-    _process_worker._worker.flush()
-    os.kill(_process_worker._worker.process.pid, signal.SIGKILL)
-    _process_worker._worker.process.join(10)
+    _process_worker().flush()
+    os.kill(_process_worker().process.pid, signal.SIGKILL)
+    _process_worker().process.join(10)
     with pytest.raises(
         RuntimeError,
         match=r"^Plain: lightning-store's offload worker process ended \(killed by signal SIGKILL, which the system's"
@@ -225,11 +227,11 @@ def _assert_no_guard_hint_and_going_on_after_reset(offloaded, error):
 def test_a_worker_process_that_ended_on_an_error_is_said_with_the_error():
     offloaded = offload_to_cpu(Plain(), worker="process")
     offloaded.update(torch.ones(2))
-    _process_worker._worker.send(("no such message",))  # the worker process raises AttributeError, and ends
+    _process_worker().send_bytes(pickle.dumps(("no such message",)))  # the worker process raises, and ends
     with pytest.raises(
         RuntimeError,
         match=r"^Plain: lightning-store's offload worker process ended \(exit code 1\)\. Its last exception:"
-        r" AttributeError: '_Worker' object has no attribute '_no such message'\.",
+        r" ValueError: not a message of lightning-store's offload worker: \('no such message',\)\.",
     ) as err:
         offloaded.compute()
     _assert_no_guard_hint_and_going_on_after_reset(offloaded, err.value)
@@ -238,7 +240,7 @@ def test_a_worker_process_that_ended_on_an_error_is_said_with_the_error():
 def test_an_attribute_an_update_sets_that_cannot_be_pickled_is_named_and_the_worker_goes_on():
     offloaded = offload_to_cpu(KeepsALock(), worker="process")
     offloaded.update(torch.ones(2))
-    pid = _process_worker._worker.process.pid
+    pid = _process_worker().process.pid
     with pytest.raises(
         RuntimeError,
         match=r"^KeepsALock: its states could not be copied back from the worker process: an update set cache"
@@ -246,7 +248,7 @@ def test_an_attribute_an_update_sets_that_cannot_be_pickled_is_named_and_the_wor
         r" picklable attributes on the Metric .*or pass worker='thread' to offload_to_cpu",
     ):
         offloaded.compute()
-    assert _process_worker._worker.process.pid == pid and _process_worker._worker.process.is_alive()
+    assert _process_worker().process.pid == pid and _process_worker().process.is_alive()
 
 
 def test_an_allocation_error_of_the_update_is_not_hidden_by_one_while_the_states_are_copied_back():
@@ -261,7 +263,7 @@ def test_an_allocation_error_of_the_update_is_not_hidden_by_one_while_the_states
     ) as err:
         offloaded.compute()
     assert isinstance(err.value.__cause__, MemoryError)
-    assert _process_worker._worker.process.is_alive()
+    assert _process_worker().process.is_alive()
 
 
 def test_a_class_from_python_c_is_refused_at_once_with_the_thread_worker_as_the_fix():
@@ -379,17 +381,17 @@ def test_ctrl_c_to_the_process_group_leaves_the_worker_process_quiet_and_up(run,
 def test_the_worker_process_ends_once_no_offloaded_object_is_left(run):
     out = _out(
         run("""
-        _process_worker._IDLE_S = 0.2
+        _parent._IDLE_S = 0.2
         metric = offload_to_cpu(SumMetric(), worker="process")
         metric.update(torch.ones(2))
         print(metric.compute().item())
-        process = _process_worker._worker.process
+        process = _process_worker().process
         del metric
         gc.collect()
         deadline = time.monotonic() + 30
         while process.is_alive() and time.monotonic() < deadline:  # the worker's own timer joins it
             time.sleep(0.1)
-        print(process.is_alive(), _process_worker._worker.process)
+        print(process.is_alive(), _process_worker().process)
         metric = offload_to_cpu(SumMetric(), worker="process")  # a new worker process
         metric.update(torch.ones(3))
         print(metric.compute().item())
@@ -427,7 +429,7 @@ def test_the_worker_process_ends_soon_after_its_parent_though_another_process_ke
         metric.compute()
         holder = subprocess.Popen(  # a process started with this one's end of the pipe, which it keeps open
             ["sleep", "90"],
-            pass_fds=[_process_worker._worker.conn.fileno()],
+            pass_fds=[_process_worker().conn.fileno()],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -445,9 +447,9 @@ def test_the_worker_process_ends_soon_after_its_parent_though_another_process_ke
 def test_a_wait_for_a_worker_thread_that_ended_raises_rather_than_hangs(run):
     out = _out(
         run("""
-        from lightning_store.metrics._offload.thread import worker as _worker
-        _worker._Worker.liveness_s = 0.2
-        _worker._Worker._loop = lambda self: None  # a thread that ends at once, as if by a bug
+        from lightning_store.metrics._offload.thread.worker import _WorkerThread
+        _WorkerThread.liveness_s = 0.2
+        _WorkerThread._loop = lambda self: None  # a thread that ends at once, as if by a bug
         metric = offload_to_cpu(SumMetric())
         metric.update(torch.ones(2))
         try:

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offload.thread.worker import _get_worker
+from lightning_store.metrics._offload.thread.worker import _thread_worker
 
 
 class Subsamples(SumMetric):
@@ -53,7 +53,7 @@ def test_a_draw_after_the_first_update_is_refused_before_it_moves_the_generator(
     for batch in _batches():
         metric.update(batch)
     gate.set()
-    _get_worker().quiesce()
+    _thread_worker().quiesce()
     assert torch.equal(torch.get_rng_state(), state)  # the worker drew nothing
     with pytest.raises(RuntimeError) as err:
         metric.compute()
@@ -147,7 +147,7 @@ def test_an_op_run_under_another_default_dtype_is_refused():
     torch.set_default_dtype(torch.float64)  # as Lightning's "64-true" precision around a step
     try:
         gate.set()
-        _get_worker().quiesce()
+        _thread_worker().quiesce()
     finally:
         torch.set_default_dtype(default)
     with pytest.raises(RuntimeError, match=r"at update #1 since offload_to_cpu: torch's default dtype was") as err:

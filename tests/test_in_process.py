@@ -23,7 +23,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, Multicl
 from torchmetrics.wrappers import MetricTracker
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offload.process import parent as _process_worker
+from lightning_store.metrics._offload.process.parent import _process_worker
 from lightning_store.metrics._reads import _queue_of
 
 
@@ -256,9 +256,9 @@ def test_a_worker_process_that_ends_is_said_and_reset_goes_on():
     offloaded.update(torch.ones(2))
     offloaded.compute()
     offloaded.update(torch.ones(2))  # run there, not read back
-    _process_worker._worker.flush()
-    _process_worker._worker.process.kill()
-    _process_worker._worker.process.join(10)
+    _process_worker().flush()
+    _process_worker().process.kill()
+    _process_worker().process.join(10)
     state = next(iter(offloaded._defaults))  # `sum_value` (torchmetrics >= 1.1) or `value`
     for read in (lambda: offloaded.compute(), lambda: offloaded.update_count, lambda: getattr(offloaded, state)):
         with pytest.raises(RuntimeError, match=r"^SumMetric: lightning-store's offload worker process ended"):
@@ -301,9 +301,9 @@ def test_inputs_whose_copies_land_late_are_sent_once_landed_in_order(monkeypatch
         offloaded.update(x)
         plain.update(x.clone())
         x.add_(100)  # after the call: the copy holds the value at the call
-    assert len(_process_worker._worker.outbox) == 3  # none landed: none sent
+    assert len(_process_worker().outbox) == 3  # none landed: none sent
     transfer.copies[0].land()
-    _process_worker._worker.flush(wait=False)
-    assert len(_process_worker._worker.outbox) == 2 and not transfer.copies[1].waited  # the first went, in order
+    _process_worker().flush(wait=False)
+    assert len(_process_worker().outbox) == 2 and not transfer.copies[1].waited  # the first went, in order
     assert_same_values(offloaded.compute(), plain.compute())  # a read waits for every copy
     assert all(c.waited and c.released for c in transfer.copies[1:])

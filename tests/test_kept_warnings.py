@@ -8,7 +8,7 @@ import torch
 from torchmetrics import CatMetric, MeanMetric
 
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offload.thread.worker import _get_worker
+from lightning_store.metrics._offload.thread.worker import _thread_worker
 
 NAN = torch.tensor([1.0, float("nan")])
 
@@ -25,7 +25,7 @@ def test_a_warning_of_an_update_is_given_once_at_the_next_call_with_its_category
     plain = _warnings_of(lambda: make().update(NAN))
     metric = offload_to_cpu(make())
     assert _warnings_of(lambda: metric.update(NAN)) == []  # not given in the worker...
-    _get_worker().quiesce()
+    _thread_worker().quiesce()
     given = _warnings_of(lambda: metric.compute())  # ...but at the next call, once
     assert [w.category for w in given] == [w.category for w in plain] == [UserWarning]
     name = type(metric).__name__
@@ -52,7 +52,7 @@ def test_a_warning_turned_into_an_error_fails_the_update_as_the_plain_one():
             CatMetric(nan_strategy="warn").update(NAN)
         metric = offload_to_cpu(CatMetric(nan_strategy="warn"))
         metric.update(NAN)
-        _get_worker().quiesce()
+        _thread_worker().quiesce()
     with pytest.raises(UserWarning, match=r"^CatMetric.update raised in lightning-store's offload worker") as err:
         metric.compute()
     assert f"at update #1 since offload_to_cpu: {plain_error.value}" in str(err.value)

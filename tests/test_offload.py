@@ -23,7 +23,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.wrappers import BootStrapper, MetricTracker
 
 from lightning_store import gather_on_device, offload_to_cpu, store_states_on_cpu
-from lightning_store.metrics._offload.thread.worker import _get_worker
+from lightning_store.metrics._offload.thread.worker import _thread_worker
 from lightning_store.metrics._reads import _queue_of
 
 GATE = threading.Event()  # held by `Gated.update`: closed, updates stay queued; a Metric must deep-copy, so not held
@@ -398,7 +398,7 @@ def test_the_error_raises_from_any_next_call(call):
     metric = offload_to_cpu(Fails())
     metric.update(torch.ones(2))
     metric.update(-torch.ones(2))
-    _get_worker().quiesce()  # it has raised in the worker
+    _thread_worker().quiesce()  # it has raised in the worker
     with pytest.raises(ValueError, match="at update #2"):
         {
             "update": lambda: metric.update(torch.ones(2)),
@@ -502,7 +502,7 @@ def test_one_worker_thread_runs_every_offloaded_metric():
         m.update(torch.tensor(1.0))
     assert [m.compute() for m in metrics] == [1.0] * 5
     names = [t.name for t in threading.enumerate() if t.name == "lightning-store-offload"]
-    assert names == ["lightning-store-offload"] and _get_worker().thread.daemon
+    assert names == ["lightning-store-offload"] and _thread_worker().thread.daemon
 
 
 def test_torchscript_scripts_the_offloaded_metric_as_the_plain_one():

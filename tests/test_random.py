@@ -11,7 +11,7 @@ from torch import Tensor
 from torchmetrics import SumMetric
 
 from lightning_store import StoreOnCPUWarning, offload_to_cpu
-from lightning_store.metrics._offload.thread.worker import _get_worker
+from lightning_store.metrics._offload.thread.worker import _thread_worker
 from lightning_store.metrics._reads import _queue_of
 
 HOST_DRAWS = {name: draw for name, draw in DRAWS.items() if name != "torch's CPU"}  # torch's: `test_guard.py`
@@ -22,7 +22,7 @@ def test_a_draw_at_a_later_update_raises_at_the_next_call(generator):
     metric = offload_to_cpu(DrawsOnLargeBatches(generator))
     metric.update(torch.ones(2))
     metric.update(torch.ones(8))
-    _get_worker().quiesce()
+    _thread_worker().quiesce()
     states = (random.getstate(), np.random.get_state()[1].copy())
     with pytest.raises(RuntimeError) as err:
         metric.compute()
@@ -58,7 +58,7 @@ def test_a_draw_of_the_training_thread_while_an_update_runs_is_not_taken_for_the
     assert ENTERED.wait(10)
     drawn = [HOST_DRAWS[generator]() for _ in range(3)]  # while the update waits in the worker
     GATE.set()
-    _get_worker().quiesce()
+    _thread_worker().quiesce()
     assert _queue_of(metric).suspect is not None  # the generator changed while the update ran
     assert torch.equal(metric.compute(), plain.compute())  # tried on a copy, which drew nothing: no error
     assert _queue_of(metric).suspect is None
@@ -73,7 +73,7 @@ class Uncopyable(DrawsOnLargeBatches):
 def test_a_metric_that_cannot_be_copied_warns_that_it_could_not_be_tried():
     metric = offload_to_cpu(Uncopyable("Python's `random`"))
     metric.update(torch.ones(8))
-    _get_worker().quiesce()
+    _thread_worker().quiesce()
     with pytest.warns(StoreOnCPUWarning, match=r"^Uncopyable: Python's or NumPy's global generator was drawn") as rec:
         metric.compute()
     assert rec[0].filename == __file__
@@ -143,7 +143,7 @@ class DrawsTheSpareDeviate(SumMetric):
 def test_an_update_that_takes_numpys_spare_normal_deviate_raises():
     metric = offload_to_cpu(DrawsTheSpareDeviate())
     metric.update(torch.ones(2))
-    _get_worker().quiesce()
+    _thread_worker().quiesce()
     np.random.seed(0)
     np.random.normal()  # a spare deviate kept: the update's draw moves no word of the Twister
     metric.update(torch.ones(8))

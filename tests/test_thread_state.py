@@ -14,7 +14,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_store import offload_to_cpu
 from lightning_store._selfcheck._fits import MemoryLogger
-from lightning_store.metrics._offload.thread.worker import _get_worker
+from lightning_store.metrics._offload.thread.worker import _thread_worker
 
 
 def _cpu_autocast() -> tuple[bool, bool]:
@@ -155,7 +155,7 @@ def test_thread_state_it_cannot_carry_fails_the_update_with_a_hint():
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate)
     with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.Conjugate):
         metric.update(torch.ones(2, 4))
-    _get_worker().quiesce()
+    _thread_worker().quiesce()
     with pytest.raises(RuntimeError, match=r"^Gram.update raised in .* at update #1 since offload_to_cpu") as err:
         metric.compute()
     message = str(err.value)

@@ -13,7 +13,7 @@ import os, pickle, sys, threading, time
 import torch
 from torchmetrics import CatMetric, Metric, SumMetric
 from lightning_store import offload_to_cpu
-from lightning_store.metrics._offload.thread import worker as _worker
+from lightning_store.metrics._offload.thread.worker import _THREAD, _thread_worker
 
 
 class Slow(SumMetric):
@@ -43,9 +43,9 @@ def test_the_worker_starts_at_the_first_update_only():
     out = _ok(
         _run("""
         metric = offload_to_cpu(CatMetric())
-        print(_worker._get_worker().thread is None, _worker._registered)
+        print(_thread_worker().thread is None, _THREAD.registered)
         metric.update(torch.tensor([1.0]))
-        print(_worker._get_worker().thread.name, _worker._registered, metric.compute().sum().item())
+        print(_thread_worker().thread.name, _THREAD.registered, metric.compute().sum().item())
         """)
     )
     assert out.split("\n")[:2] == ["True False", "lightning-store-offload True 1.0"]
@@ -126,9 +126,9 @@ def test_an_offloaded_metric_unpickled_in_a_fresh_process_runs_there(tmp_path, q
         _run(f"""
         with open({str(path)!r}, "rb") as f:
             metric = pickle.load(f)
-        print(type(metric).__mro__[1].__name__, float(metric.compute()), _worker._get_worker().thread is None)
+        print(type(metric).__mro__[1].__name__, float(metric.compute()), _thread_worker().thread is None)
         metric.update(torch.tensor(10.0))
-        print(float(metric.compute()), _worker._get_worker().thread is not None)
+        print(float(metric.compute()), _thread_worker().thread is not None)
         """)
     )
     assert out.split("\n")[:2] == ["_OffloadedMetric 10.0 True", "20.0 True"]
@@ -140,7 +140,7 @@ def test_an_update_after_the_worker_stopped_at_exit_runs_in_the_caller():
         metric = offload_to_cpu(SumMetric())
         metric.update(torch.tensor(1.0))
         metric.compute()
-        _worker._get_worker().stop()  # as at exit, before another exit handler updates the Metric
+        _thread_worker().stop()  # as at exit, before another exit handler updates the Metric
         metric.update(torch.tensor(2.0))
         print("late", float(metric.compute()), flush=True)
         """)
@@ -154,7 +154,7 @@ def test_a_read_after_exit_dropped_updates_says_so():
         metric = offload_to_cpu(Slow(), max_pending=64)
         for value in range(5):
             metric.update(torch.tensor(float(value)))
-        _worker._get_worker().stop()  # as at exit: the updates not yet run are dropped
+        _thread_worker().stop()  # as at exit: the updates not yet run are dropped
         try:
             metric.compute()
         except RuntimeError as error:

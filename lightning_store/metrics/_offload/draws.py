@@ -19,7 +19,7 @@ import torch
 from torch.nn import Module
 
 from lightning_store.metrics._offload.kept_warnings import _kept_warnings
-from lightning_store.metrics._offload.thread.worker import _Inline
+from lightning_store.metrics._offload.workers import _Inline
 
 _HostStates = tuple[Any, Any, Any]
 _MT_BYTES = 4 + 624 * 4  # a Mersenne Twister's state as Python and NumPy keep it: its position and 624 words

@@ -21,7 +21,7 @@ from lightning_store.metrics._configured import (
 from lightning_store.metrics._gather import gather_on_device
 from lightning_store.metrics._offload.inputs import _on_cpu_now
 from lightning_store.metrics._offload.queue import _Queue
-from lightning_store.metrics._offload.thread.worker import _Inline, _runs_inline
+from lightning_store.metrics._offload.workers import _Inline, _runs_inline
 from lightning_store.warnings import _warn_once_outside
 
 # what a Metric's `update` writes besides its states (torchmetrics' wrapper), and a collection's `update`

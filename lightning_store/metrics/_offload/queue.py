@@ -37,8 +37,9 @@ class _Queue:
     the caller's code do not happen. The Metric's state is the plain one after a failed update (torchmetrics
     counts it, and keeps what it changed before it raised).
 
-    A worker is a thread of this process (``_in_thread._ThreadQueue``) or a process of its own
-    (``_in_process._ProcessQueue``), which say how an update is queued, run and waited for.
+    A worker is a thread of this process (``thread.queue._ThreadQueue``) or a process of its own
+    (``process.queue._ProcessQueue``), which say how an update is queued, run and waited for: the NOTE in
+    ``workers.py``. The queue alone writes its counts; its workers call :meth:`ran` and :meth:`dropped_at_exit`.
     """
 
     worker = ""  # "thread" or "process"
@@ -48,8 +49,6 @@ class _Queue:
         self.name = name
         self.pending = 0
         self.queued = 0
-        self.waits = 0
-        self.waited_s = 0.0
         self.failure: _Failure | None = None
         self.dropped = 0  # updates not run, dropped when the process began to exit
         self.warnings: list[tuple[str, warnings.WarningMessage]] = []
@@ -57,6 +56,16 @@ class _Queue:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.max_pending, self.name)
+
+    @property
+    def waits(self) -> int:
+        """How many ``update`` calls waited for room in the queue, in all (counted by its lag)."""
+        return self.lag.waits
+
+    @property
+    def waited_s(self) -> float:
+        """How long, in seconds, ``update`` calls waited for room in the queue, in all (counted by its lag)."""
+        return self.lag.waited_s
 
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
         """Queue ``obj``'s ``update`` (its own, unwrapped) on ``args`` and ``kwargs``, taken as they are now."""
@@ -81,11 +90,17 @@ class _Queue:
         """Wait until no update is pending."""
         raise NotImplementedError
 
+    def ran(self) -> None:
+        """Count a queued update or call as run by the worker (or not run, after a failed one): one less pending."""
+        self.pending -= 1
+
+    def dropped_at_exit(self, count: int = 1) -> None:
+        """Count ``count`` pending updates or calls as dropped, not run, as the process began to exit."""
+        self.pending -= count
+        self.dropped += count
+
     def _count_wait(self, waited: float | None) -> None:
         """Count an update's call (``waited``: how long it waited for room); say once if the worker falls behind."""
-        if waited is not None:
-            self.waits += 1
-            self.waited_s += waited
         message = self.lag.count(waited, self.name, self.max_pending)
         if message is not None:
             frame = _users_frame()
@@ -172,31 +187,34 @@ WINDOW = 50  # updates: the worker falls behind when at least half of a window's
 
 
 class _Lag:
-    """The calls of one queue that waited for room (``max_pending`` updates already waiting), by window of calls.
+    """The calls of one queue that waited for room (``max_pending`` updates already waiting): in all, and by window.
 
     A call that waits means the worker runs the Metric's updates slower than they come: the step then waits for the
     Metric's work anyway, and pays the copies besides. Once a window has at least half of its calls waiting, the
     worker is behind (``behind``), and :meth:`count` returns the message that says so, the first time only.
+    ``waits`` and ``waited_s`` count every call that waited since the Metric was offloaded.
     """
 
-    __slots__ = ("behind", "calls", "told", "waited_s", "waits")
+    __slots__ = ("behind", "told", "waited_s", "waits", "window_calls", "window_waited_s", "window_waits")
 
     def __init__(self) -> None:
-        self.calls = self.waits = 0
-        self.waited_s = 0.0
+        self.waits = self.window_calls = self.window_waits = 0
+        self.waited_s = self.window_waited_s = 0.0
         self.behind = self.told = False
 
     def count(self, waited_s: float | None, name: str, max_pending: int) -> str | None:
         """Count a call (``waited_s``: how long it waited for room, ``None`` if it did not); the message, once."""
-        self.calls += 1
+        self.window_calls += 1
         if waited_s is not None:
             self.waits += 1
             self.waited_s += waited_s
-        if self.calls < WINDOW:
+            self.window_waits += 1
+            self.window_waited_s += waited_s
+        if self.window_calls < WINDOW:
             return None
-        calls, waits, waited_s = self.calls, self.waits, self.waited_s
-        self.calls = self.waits = 0
-        self.waited_s = 0.0
+        calls, waits, waited_s = self.window_calls, self.window_waits, self.window_waited_s
+        self.window_calls = self.window_waits = 0
+        self.window_waited_s = 0.0
         self.behind = 2 * waits >= calls
         if not self.behind or self.told:
             return None

@@ -16,7 +16,25 @@ from lightning_store.metrics._offload.draws import _drawn, _host_states
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _Arena
 from lightning_store.metrics._offload.process.inputs import _read_inputs
-from lightning_store.metrics._offload.thread.worker import _Inline
+from lightning_store.metrics._offload.process.messages import (
+    _Broken,
+    _Call,
+    _Done,
+    _Drop,
+    _Fatal,
+    _Filters,
+    _Forget,
+    _Pull,
+    _read,
+    _Ready,
+    _Replace,
+    _Resume,
+    _States,
+    _Stop,
+    _Update,
+    _wire,
+)
+from lightning_store.metrics._offload.workers import _Inline
 
 _MODULE_OWN = frozenset(vars(Module())) | {"_offload", "_defaults", "_persistent", "_reductions"}
 _KEPT_WARNINGS = 20  # at most, by update: the rest are dropped (the answer stays small)
@@ -39,15 +57,15 @@ def _serve(conn: Any) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
-    worker = _Worker(conn)
-    worker.outbox.put(("ready",))
+    server = _ChildServer(conn)
+    server.outbox.put(_Ready())
     try:
         with _Inline():  # the offloaded objects here run their own methods
-            worker.run()
+            server.run()
     except BaseException as error:
-        worker.outbox.put(("fatal", _error_info(error)))
-        worker.outbox.put(None)
-        worker.sender.join(_WATCH_S)
+        server.outbox.put(_Fatal(_error_info(error)))
+        server.outbox.put(None)
+        server.sender.join(_WATCH_S)
         raise
 
 
@@ -63,7 +81,9 @@ def _keep_freed_memory() -> None:
     del block
 
 
-class _Worker:
+class _ChildServer:
+    """What the worker process does: take the parent's messages in order, and answer them from a thread of its own."""
+
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.objects: dict[int, Module] = {}
@@ -79,7 +99,7 @@ class _Worker:
     def _send_all(self) -> None:
         while (message := self.outbox.get()) is not None:
             try:
-                self.conn.send(message)
+                self.conn.send(_wire(message))
             except (OSError, ValueError):
                 return
 
@@ -90,15 +110,36 @@ class _Worker:
                 while not self.conn.poll(_WATCH_S):
                     if os.getppid() != parent:  # the parent is gone (its end of the pipe may live in a fork of it)
                         return
-                message = self.conn.recv()
+                message = _read(self.conn.recv())
             except (EOFError, OSError):
                 return
-            kind = message[0]
-            if kind == "stop":
-                self.outbox.put(None)
-                self.sender.join(1)
-                return
-            getattr(self, f"_{kind}")(*message[1:])
+            match message:
+                case _Update(object_id, number, path, inputs, state):
+                    if state is not None:  # else the same as the last update's
+                        self.state = state
+                    self._run(object_id, number, path, inputs, self.state, "update", spent=True)
+                case _Call(object_id, path, method, args):
+                    self._run(object_id, None, path, ((), {}), None, method, spent=False, call_args=args)
+                case _Replace(object_id, payload):
+                    self._replace(object_id, payload)
+                case _Pull(object_id):
+                    self._pull(object_id)
+                case _Drop(object_id):
+                    self.objects.pop(object_id, None)
+                case _Forget(name):
+                    arena = self.arenas.pop(name, None)
+                    if arena is not None:
+                        arena.close(unlink=False)
+                case _Resume(object_id):
+                    self.failed.discard(object_id)
+                case _Filters(filters):
+                    warnings.filters[:] = filters  # type: ignore[index]
+                case _Stop():
+                    self.outbox.put(None)
+                    self.sender.join(1)
+                    return
+                case _:
+                    raise ValueError(f"not a message for lightning-store's offload worker process: {message!r}")
 
     def _replace(self, object_id: int, payload: bytes) -> None:
         self.failed.discard(object_id)
@@ -108,36 +149,14 @@ class _Worker:
         except BaseException as error:  # its class cannot be imported here, say: the parent is told, once
             self.objects.pop(object_id, None)
             self.broken[object_id] = _error_info(error)
-            self.outbox.put(("broken", object_id, self.broken[object_id]))
-
-    def _drop(self, object_id: int) -> None:
-        self.objects.pop(object_id, None)
-
-    def _forget(self, name: str) -> None:
-        arena = self.arenas.pop(name, None)
-        if arena is not None:
-            arena.close(unlink=False)
-
-    def _resume(self, object_id: int) -> None:
-        self.failed.discard(object_id)
-
-    def _filters(self, filters: list) -> None:
-        warnings.filters[:] = filters  # type: ignore[index]
-
-    def _update(self, object_id: int, number: int, path: str, inputs: tuple, state: Any) -> None:
-        if state is not None:  # else the same as the last update's
-            self.state = state
-        self._run(object_id, number, path, inputs, self.state, "update", spent=True)
-
-    def _call(self, object_id: int, path: str, method: str, args: tuple) -> None:
-        self._run(object_id, None, path, ((), {}), None, method, spent=False, call_args=args)
+            self.outbox.put(_Broken(object_id, self.broken[object_id]))
 
     def _run(
         self,
         object_id: int,
         number: int | None,
-        path: str,
-        inputs: tuple,
+        path: str | None,
+        inputs: tuple | bytes,
         state: Any,
         method: str,
         spent: bool,
@@ -154,22 +173,22 @@ class _Worker:
             error, kept, drawn = _run_one(target, method, inputs, state, call_args, self.arenas)
             if error is not None or drawn:
                 self.failed.add(object_id)
-        self.outbox.put(("done", object_id, number, error, kept, drawn, discarded, spent))
+        self.outbox.put(_Done(object_id, number, error, kept, drawn, discarded, spent))
 
     def _pull(self, object_id: int) -> None:
         obj = self.objects.get(object_id)
         if obj is None:
-            self.outbox.put(("states", object_id, None, self.broken.get(object_id)))
+            self.outbox.put(_States(object_id, None, self.broken.get(object_id)))
             return
         values = [_data_of(module) for module in obj.modules()]
         try:
-            self.outbox.put(("states", object_id, _pickling.dumps(values), None))
+            self.outbox.put(_States(object_id, _pickling.dumps(values), None))
         except BaseException as error:  # an attribute an update set that cannot be pickled, or no memory for it
             where = "" if isinstance(error, MemoryError) else _unpicklable(obj, values)
-            self.outbox.put(("states", object_id, None, _error_info(error, where)))
+            self.outbox.put(_States(object_id, None, _error_info(error, where)))
 
 
-def _run_one(target: Module, method: str, inputs: tuple, state: Any, call_args: tuple, arenas: _Arenas) -> tuple:
+def _run_one(target: Module, method: str, inputs: Any, state: Any, call_args: tuple, arenas: _Arenas) -> tuple:
     """Run ``target.method`` on the inputs: what it raised, the warnings it gave, the generators it drew from."""
     error, drawn = None, []
     with warnings.catch_warnings(record=True) as caught:

@@ -15,7 +15,7 @@ _GUARD = (
 def _why_ended(code: int | None, ready: bool, fatal: tuple | None) -> tuple[str, str]:
     """What to say of a worker process that ended with exit ``code``, after it started (``ready``) or not.
 
-    ``fatal`` is the error that ended it, as it sent it (see ``_child._error_info``). Returns the reason and the hint.
+    ``fatal`` is the error that ended it, as it sent it (see ``child._error_info``). Returns the reason and the hint.
     """
     if code is None:
         how = "it could not be reached"

@@ -1,24 +1,38 @@
 """The worker process of this process, seen from here: started at the first update sent, fed through a pipe."""
 
-import atexit
 import contextlib
 import multiprocessing
-import os
 import pickle
 import threading
 import warnings
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lightning_store.metrics._offload.caller_state import _CallerState
+from lightning_store.metrics._offload.process import messages as _messages
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _Arena, _Space
 from lightning_store.metrics._offload.process.ended import _check_main_runs_again, _why_ended
 from lightning_store.metrics._offload.process.inputs import _Outgoing
+from lightning_store.metrics._offload.workers import _PerProcess
 
-if TYPE_CHECKING:
-    from lightning_store.metrics._offload.process.queue import _ProcessQueue
+
+class _Offloaded(Protocol):
+    """What the worker process's side here asks of an object's queue (a ``_ProcessQueue``), which writes its own."""
+
+    id: int
+    pending: int
+    lost: str | None
+
+    def ahead(self) -> bool: ...
+    def on_done(self, number: int | None, error: Any, kept: list, drawn: list[str], discarded: bool) -> None: ...
+    def on_broken(self, error: tuple) -> None: ...
+    def on_pulled(self, payload: bytes | None, error: tuple | None) -> None: ...
+    def worker_lost(self, reason: str, hint: str) -> None: ...
+    def forked(self, new_id: int) -> None: ...
+    def dropped_at_exit(self, count: int = 1) -> None: ...
+
 
 _LIVENESS_S = 5.0  # as torch's DataLoader: a wait for an answer looks this often whether the worker process lives
 _IDLE_S = 10.0  # once every offloaded object is gone, the worker process ends after this (a new one starts if need be)
@@ -27,26 +41,17 @@ _IDLE_S = 10.0  # once every offloaded object is gone, the worker process ends a
 class _ProcessWorker:
     """The worker process of this process, started at the first update sent to it, for every offloaded object.
 
-    Messages go one way through a pipe, in order: a copy of an object (``replace``), an update (``update``, its
-    tensors in a shared arena), a call (``call``), a read (``pull``). The worker process answers updates and calls
-    (``done``) and reads (``states``) in the same order; they are taken here whenever this process waits for one,
-    or queues an update. An update with inputs on a device is sent once their copies have landed, in order.
-
-    Liveness, as torch's DataLoader: a wait for an answer is timed and looks whether the worker process lives, and
-    the worker process watches this one (``_child``). A worker process that ended is said with its exit code or
-    signal and the last exception it sent (``_ended``); an object with nothing there that is not here is sent to a
-    new one, any other is lost, and its reads say so until ``reset()``. Once no offloaded object is left, the worker
-    process ends; at exit, it is told to stop.
+    How it starts, is fed, answers, fails and stops: the NOTE in ``workers.py``; its messages: ``messages.py``.
     """
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.conn: Any = None
         self.process: Any = None
-        self.queues: weakref.WeakValueDictionary[int, _ProcessQueue] = weakref.WeakValueDictionary()
+        self.queues: weakref.WeakValueDictionary[int, _Offloaded] = weakref.WeakValueDictionary()
         self.ids = 0
         self.space = _Space(self._forget)  # the arenas of the updates' inputs
-        self.outbox: deque[tuple[tuple, _Outgoing, _CallerState, _Arena | None, bytes]] = deque()  # to send, in order
+        self.outbox: deque[tuple[tuple[int, int, str], _Outgoing, _CallerState, _Arena | None, bytes]] = deque()
         self.filters: tuple = ()  # the warnings filters the worker process has
         self.state: _CallerState | None = None  # the caller's torch state the worker process has
         self.pulled: dict[int, tuple[bytes | None, tuple | None]] = {}  # a read's answer: the states, or an error
@@ -56,7 +61,7 @@ class _ProcessWorker:
         self.fatal: tuple | None = None  # the error that ended it, as it sent it
         self.generation = 0  # counts the worker processes lost: a message sent to a lost one is sent again
 
-    def new_id(self, queue: "_ProcessQueue") -> int:
+    def new_id(self, queue: _Offloaded) -> int:
         self.ids += 1
         self.queues[self.ids] = queue
         weakref.finalize(queue, self._dropped, self.ids)
@@ -80,7 +85,7 @@ class _ProcessWorker:
             if self._in_use() or self.conn is None or self.stopping:
                 return
             with contextlib.suppress(OSError, ValueError):
-                self.conn.send(("stop",))
+                self.conn.send(_messages._wire(_messages._Stop()))
             process = self.process
             self._forget_worker()
         process.join(2)
@@ -96,10 +101,11 @@ class _ProcessWorker:
         self.process = context.Process(target=_serve, args=(theirs,), name="lightning-store-offload", daemon=True)
         self.process.start()
         theirs.close()
-        _register_process_hooks()
+        _PROCESS.started()
 
-    def send(self, message: tuple, start: bool = False) -> None:
-        self.send_bytes(pickle.dumps(message), start)
+    def send(self, message: Any, start: bool = False) -> None:
+        """Send ``message`` (one of ``messages``'), as :meth:`send_bytes`."""
+        self.send_bytes(pickle.dumps(_messages._wire(message)), start)
 
     def send_bytes(self, payload: bytes, start: bool = False) -> None:
         """Send ``payload``; with ``start`` (an object's copy), to a new worker process if there is none.
@@ -112,7 +118,7 @@ class _ProcessWorker:
             self.start()
         try:
             while self.to_drop:  # the copies of objects gone here, which the worker process may free
-                self.conn.send_bytes(pickle.dumps(("drop", self.to_drop.pop())))
+                self.conn.send_bytes(pickle.dumps(_messages._wire(_messages._Drop(self.to_drop.pop()))))
             self.conn.send_bytes(payload)
         except (OSError, ValueError):
             self._lost()
@@ -123,11 +129,12 @@ class _ProcessWorker:
             self._lost()
         return self.conn is not None
 
-    def queue_update(self, head: tuple, outgoing: _Outgoing, state: _CallerState, name: str) -> None:
+    def queue_update(self, head: tuple[int, int, str], outgoing: _Outgoing, state: _CallerState, name: str) -> None:
         """Take arena space for ``outgoing`` (waiting for answers if need be), write it, and queue it to be sent.
 
-        Its inputs are pickled now: an input that cannot go to another process raises here, and nothing is queued.
-        :meth:`flush` sends it, once its inputs have landed.
+        ``head``: the object's id, the update's number, its Module's path in the object. Its inputs are pickled now:
+        an input that cannot go to another process raises here, and nothing is queued. :meth:`flush` sends it, once
+        its inputs have landed.
         """
         arena: _Arena | None = None
         if outgoing.nbytes:
@@ -158,7 +165,7 @@ class _ProcessWorker:
         self.space.unsent()
         outgoing.release()
 
-    def send_call(self, message: tuple) -> None:
+    def send_call(self, message: Any) -> None:
         self.flush()  # after every update queued before it
         self.send(message)
 
@@ -170,13 +177,14 @@ class _ProcessWorker:
                 outgoing.land(arena)
             filters = tuple(warnings.filters)
             if filters != self.filters:  # the update warns as it would here
-                self.send(("filters", [entry for entry in filters if _pickling.pickles(entry)]))
+                self.send(_messages._Filters([entry for entry in filters if _pickling.pickles(entry)]))
                 self.filters = filters
             same = state == self.state  # most often: sent once, and the worker process keeps it
             self.state = state
             # the inputs, pickled at the call: most often no tensor is left in them (they are in the arena, or
             # `_Small`), and pickle's own was faster
-            self.send_bytes(pickle.dumps((*head, inputs, None if same else state), pickle.HIGHEST_PROTOCOL))
+            update = _messages._Update(*head, inputs, None if same else state)
+            self.send_bytes(pickle.dumps(_messages._wire(update), pickle.HIGHEST_PROTOCOL))
             if self.conn is None:  # the worker process was lost: the updates left are too
                 return
 
@@ -185,7 +193,7 @@ class _ProcessWorker:
         self.receive()
 
     def _forget(self, arena: _Arena) -> None:
-        self.send(("forget", arena.name))
+        self.send(_messages._Forget(arena.name))
         arena.close(unlink=True)
 
     def receive(self) -> None:
@@ -194,34 +202,30 @@ class _ProcessWorker:
             while not self.conn.poll(_LIVENESS_S):
                 if not self.process.is_alive() and not self.conn.poll(0):
                     raise EOFError  # its end of the pipe lives on in a fork of this process, say
-            message = self.conn.recv()
+            message = _messages._read(self.conn.recv())
         except (EOFError, OSError, AttributeError):  # ended, or lost already (no pipe)
             self._lost()
             return
         self._take(message)
 
-    def _take(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "ready":
-            self.ready = True
-            return
-        if kind == "fatal":
-            self.fatal = message[1]
-            return
-        if kind == "states":
-            self.pulled[message[1]] = (message[2], message[3])
-            return
-        if kind == "broken":
-            broken = self.queues.get(message[1])
-            if broken is not None:
-                broken.on_broken(message[2])
-            return
-        _, queue_id, number, error, kept, drawn, discarded, spent = message
-        if spent:
-            self.space.answered()
-        queue = self.queues.get(queue_id)
-        if queue is not None:
-            queue.on_done(number, error, kept, drawn, discarded)
+    def _take(self, message: Any) -> None:
+        match message:
+            case _messages._Done(queue_id, number, error, kept, drawn, discarded, spent):
+                if spent:
+                    self.space.answered()
+                queue = self.queues.get(queue_id)
+                if queue is not None:
+                    queue.on_done(number, error, kept, drawn, discarded)
+            case _messages._States(queue_id, payload, error):
+                self.pulled[queue_id] = (payload, error)
+            case _messages._Broken(queue_id, error):
+                broken = self.queues.get(queue_id)
+                if broken is not None:
+                    broken.on_broken(error)
+            case _messages._Ready():
+                self.ready = True
+            case _messages._Fatal(error):
+                self.fatal = error
 
     def receive_ready(self) -> None:
         """Take the answers the worker process has sent, without waiting for more."""
@@ -231,37 +235,25 @@ class _ProcessWorker:
         except (OSError, ValueError):
             self._lost()
 
-    def pull(self, queue: "_ProcessQueue") -> None:
-        """Copy the states of the worker process's copy of ``queue.root`` into ``queue.root``."""
+    def pull(self, queue: _Offloaded) -> None:
+        """Copy the states of the worker process's copy of ``queue.root`` into ``queue.root`` (the queue does)."""
         self.pulled.pop(queue.id, None)
-        self.send(("pull", queue.id))
+        self.send(_messages._Pull(queue.id))
         while queue.id not in self.pulled and queue.lost is None:
             self.receive()
-        payload, error = self.pulled.pop(queue.id, (None, None))
-        if error is not None:
-            queue.on_not_pulled(error)
-        if payload is None or queue.root is None:
-            return
-        for module, values in zip(queue.root.modules(), pickle.loads(payload), strict=True):
-            module.__dict__.update(values)
+        queue.on_pulled(*self.pulled.pop(queue.id, (None, None)))
 
     def _lost(self) -> None:
-        """The worker process ended (killed, out of memory, or it could not start).
-
-        Its last answers are taken first. An object with updates there that did not come back here is lost, and
-        its reads say why; any other is sent again, whole, to a new worker process, as nothing of it was lost.
-        """
+        """The worker process ended (killed, out of memory, or it could not start): each queue is told why."""
         with contextlib.suppress(EOFError, OSError, AttributeError):
             while self.conn.poll(0):
-                self._take(self.conn.recv())
+                self._take(_messages._read(self.conn.recv()))
         if self.process is not None:
             self.process.join(1)
         code = self.process.exitcode if self.process is not None else None
         reason, hint = _why_ended(code, self.ready, self.fatal)
         for queue in list(self.queues.values()):
-            if queue.ahead():
-                queue.lost, queue.lost_hint = reason, hint
-            queue.pending, queue.sent, queue.ahead_there = 0, False, False
+            queue.worker_lost(reason, hint)
         self._forget_worker()
 
     def _forget_worker(self) -> None:
@@ -280,38 +272,26 @@ class _ProcessWorker:
         """Let the worker process end, dropping the updates it has not run (at exit), and free the arenas."""
         self.stopping = True
         for queue in list(self.queues.values()):
-            queue.dropped += queue.pending
-            queue.pending = 0
+            queue.dropped_at_exit(queue.pending)
         if self.conn is not None:
             with contextlib.suppress(OSError):  # it ended already
-                self.conn.send(("stop",))
+                self.conn.send(_messages._wire(_messages._Stop()))
             self.process.join(2)
             if self.process.is_alive():
                 self.process.terminate()
         self.space.close()  # the outbox's arenas are in flight
 
 
-_worker = _ProcessWorker()
-_registered = False
-
-
-def _fresh_in_child() -> None:
-    # a forked process (a DataLoader worker) has no worker process of its own, and the parent's is not its own:
-    # an object whose updates ran there, and whose states were not read back, cannot be read here
-    global _worker
-    old, _worker = _worker, _ProcessWorker()
+def _in_child(old: _ProcessWorker, new: _ProcessWorker) -> None:
+    """In a forked process (a DataLoader worker), whose worker process is not the parent's: its queues go to ``new``."""
     for queue in list(old.queues.values()):
-        if queue.ahead():
-            queue.lost = "It was copied into a forked process (a DataLoader worker, say) while its worker process had"
-            queue.lost += " updates this process had not read back."
-        queue.sent, queue.pending, queue.ahead_there = False, 0, False
-        queue.id = _worker.new_id(queue)
+        queue.forked(new.new_id(queue))
     old.conn = old.process = None  # not ours to close
 
 
-def _register_process_hooks() -> None:
-    global _registered
-    if not _registered:
-        _registered = True
-        os.register_at_fork(after_in_child=_fresh_in_child)
-        atexit.register(lambda: _worker.stop())
+_PROCESS = _PerProcess(_ProcessWorker, _ProcessWorker.stop, in_child=_in_child)
+
+
+def _process_worker() -> _ProcessWorker:
+    """The worker process of this process, as seen from here."""
+    return _PROCESS.get()

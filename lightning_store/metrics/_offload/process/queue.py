@@ -10,12 +10,13 @@ from torch.nn import Module
 
 from lightning_store.metrics._offload.caller_state import _CallerState
 from lightning_store.metrics._offload.guard import _Refused
-from lightning_store.metrics._offload.process import parent as _process_worker
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.ended import _RESET, _why_not_made
 from lightning_store.metrics._offload.process.inputs import _Outgoing
+from lightning_store.metrics._offload.process.messages import _Call, _Replace, _Resume
+from lightning_store.metrics._offload.process.parent import _process_worker
 from lightning_store.metrics._offload.queue import _Failure, _Queue, _wait_for_room
-from lightning_store.metrics._offload.thread.worker import _Inline
+from lightning_store.metrics._offload.workers import _Inline
 
 
 class _ProcessQueue(_Queue):
@@ -32,7 +33,7 @@ class _ProcessQueue(_Queue):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.root: Module | None = None
-        self.id = _process_worker._worker.new_id(self)
+        self.id = _process_worker().new_id(self)
         self.sent = False  # whether the worker process holds a copy of `root` that counts
         self.ahead_there = False  # whether updates ran there since its states were copied back
         self.paths: dict[int, str] = {}  # id of a Module of `root` -> its name in `root`
@@ -58,10 +59,10 @@ class _ProcessQueue(_Queue):
 
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
         if self.pending:  # the answers that arrived: an update that failed is said at this call, as with a thread
-            with _process_worker._worker.lock:
-                _process_worker._worker.receive_ready()
+            with _process_worker().lock:
+                _process_worker().receive_ready()
         self.report()
-        if _process_worker._worker.stopping:  # the process is exiting (an update from another exit handler)
+        if _process_worker().stopping:  # the process is exiting (an update from another exit handler)
             if self.ahead():
                 self.dropped += 1
                 self.report()
@@ -78,45 +79,45 @@ class _ProcessQueue(_Queue):
             queue.queue_update(obj, update, args, kwargs)
             return
         outgoing = _Outgoing(args, kwargs)
-        with _process_worker._worker.lock:
+        with _process_worker().lock:
             self._send_root()
-            waited = _wait_for_room(self, _process_worker._worker.receive, _process_worker._worker.receive_ready)
+            waited = _wait_for_room(self, _process_worker().receive, _process_worker().receive_ready)
             if self.lost is not None:  # lost while it waited
                 self.report()
-            head = ("update", self.id, self.queued + 1, path)
-            generation = _process_worker._worker.generation
-            _process_worker._worker.queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
-            if _process_worker._worker.generation != generation:  # the worker process ended while it waited
+            head = (self.id, self.queued + 1, path)
+            generation = _process_worker().generation
+            _process_worker().queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
+            if _process_worker().generation != generation:  # the worker process ended while it waited
                 if self.lost is not None:
-                    _process_worker._worker.unqueue_last()
+                    _process_worker().unqueue_last()
                     self.report()
                 self._send_root()  # nothing of it was lost: the new worker process gets it before the update
             self.pending += 1
             self.queued += 1
             self.ahead_there = True
-            _process_worker._worker.flush(wait=False)
+            _process_worker().flush(wait=False)
         self._count_wait(waited)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:
-        with _process_worker._worker.lock:
+        with _process_worker().lock:
             self._send_root()
             self.pending += 1
-            _process_worker._worker.send_call(("call", self.id, self._path(obj), method, args))
+            _process_worker().send_call(_Call(self.id, self._path(obj), method, args))
 
     def settle(self) -> None:
-        with _process_worker._worker.lock:
+        with _process_worker().lock:
             self._wait()
             if self.ahead_there and self.lost is None:
-                _process_worker._worker.pull(self)
+                _process_worker().pull(self)
             self.ahead_there = False
             self.sent = False  # read here, it may be changed here: the worker process gets it again
         self.report()
 
     def _wait(self) -> None:
-        with _process_worker._worker.lock:
-            _process_worker._worker.flush()
+        with _process_worker().lock:
+            _process_worker().flush()
             while self.pending and self.lost is None:
-                _process_worker._worker.receive()
+                _process_worker().receive()
 
     def _report_more(self) -> None:
         if self.lost is None:
@@ -139,8 +140,17 @@ class _ProcessQueue(_Queue):
         reason, hint = _why_not_made(error)
         self.lost, self.lost_hint = reason, f"{hint} Then {_RESET}"
 
-    def on_not_pulled(self, error: tuple) -> None:
-        """The worker process could not send the states back: what its updates did cannot come here."""
+    def on_pulled(self, payload: bytes | None, error: tuple | None) -> None:
+        """The states the worker process sent back (``payload``), copied into ``root``; or why it could not."""
+        if error is not None:
+            self._not_pulled(error)
+        if payload is None or self.root is None:
+            return
+        for module, values in zip(self.root.modules(), pickle.loads(payload), strict=True):
+            module.__dict__.update(values)
+
+    def _not_pulled(self, error: tuple) -> None:
+        # the worker process could not send the states back: what its updates did cannot come here
         _, name, text, _, where = error
         if where:
             self.lost = (
@@ -157,12 +167,12 @@ class _ProcessQueue(_Queue):
 
     def _raise_failure(self) -> None:
         self._wait()
-        _process_worker._worker.send(("resume", self.id))  # the worker process runs this object's updates again
+        _process_worker().send(_Resume(self.id))  # the worker process runs this object's updates again
         super()._raise_failure()
 
     def on_done(self, number: int | None, error: Any, kept: list, drawn: list[str], discarded: bool) -> None:
         """An update (``number``) or a call ran in the worker process, or was not run after a failed one."""
-        self.pending -= 1
+        self.ran()
         if discarded:
             if self.failure is not None:
                 self.failure.discarded += number is not None
@@ -183,6 +193,22 @@ class _ProcessQueue(_Queue):
             )
             self.failure = _Failure(_Refused(reason, hint), number)
 
+    def worker_lost(self, reason: str, hint: str) -> None:
+        """The worker process ended: lost with ``reason`` (and ``hint``) if it had updates not here; nothing sent."""
+        if self.ahead():
+            self.lost, self.lost_hint = reason, hint
+        self.pending, self.sent, self.ahead_there = 0, False, False
+
+    def forked(self, new_id: int) -> None:
+        """This process is a fork, whose worker process is not the parent's (``new_id``: its id in this one's)."""
+        if self.ahead():
+            self.lost = (
+                "It was copied into a forked process (a DataLoader worker, say) while its worker process had updates"
+                " this process had not read back."
+            )
+        self.sent, self.pending, self.ahead_there = False, 0, False
+        self.id = new_id
+
     def _send_root(self) -> None:
         """Send the worker process a copy of ``root``, unless it holds one that counts.
 
@@ -190,7 +216,7 @@ class _ProcessQueue(_Queue):
         """
         if self.lost is not None:
             self.report()
-        worker = _process_worker._worker
+        worker = _process_worker()
         if self.sent and worker.alive():
             return
         if self.lost is not None:  # it ended with updates of this object
@@ -207,7 +233,7 @@ class _ProcessQueue(_Queue):
             ) from error
         for _ in range(2):  # once more, to a new worker process, if this one ended before it got it
             generation = worker.generation
-            worker.send(("replace", self.id, payload), start=True)
+            worker.send(_Replace(self.id, payload), start=True)
             if worker.generation == generation:
                 self.sent = True
                 return

@@ -16,7 +16,8 @@ from lightning_store.metrics._offload.guard import _WorkerGuard
 from lightning_store.metrics._offload.inputs import _land, _start_copies
 from lightning_store.metrics._offload.kept_warnings import _kept_warnings, _users_frame
 from lightning_store.metrics._offload.queue import _Failure, _Queue, _wait_for_room
-from lightning_store.metrics._offload.thread.worker import _get_worker, _Inline, _Job
+from lightning_store.metrics._offload.thread.worker import _Job, _thread_worker
+from lightning_store.metrics._offload.workers import _Inline
 from lightning_store.warnings import _warn_once_at
 
 
@@ -58,7 +59,7 @@ class _ThreadQueue(_Queue):
         it is queued in the same order, and not numbered.
         """
         self.report()
-        worker = _get_worker()
+        worker = _thread_worker()
         if worker.stopping:  # the process is exiting (an update from another exit handler): it runs here
             with _Inline():
                 run()
@@ -74,7 +75,14 @@ class _ThreadQueue(_Queue):
             self._count_wait(waited)
 
     def run(self, job: _Job) -> None:
-        """Run ``job`` in the worker, unless an earlier update of this queue raised."""
+        """Run ``job`` in the worker, unless an earlier update of this queue raised; what it raises is kept."""
+        try:
+            self._run(job)
+        except BaseException as error:  # in the queue's own steps: kept for the caller, and the worker goes on
+            if self.failure is None:
+                self.failure = _Failure(error, job.number)
+
+    def _run(self, job: _Job) -> None:
         if self.failure is not None:
             self.failure.discarded += job.number is not None
             return
@@ -99,7 +107,7 @@ class _ThreadQueue(_Queue):
 
     def _wait(self) -> None:
         if self.pending:
-            worker = _get_worker()
+            worker = _thread_worker()
             with worker.lock:
                 while self.pending:
                     worker.wait()
@@ -114,7 +122,7 @@ class _ThreadQueue(_Queue):
         assert suspect is not None
         self.suspect = None
         self._wait()  # the copy is made with every update before it run
-        worker = _get_worker()
+        worker = _thread_worker()
         with worker.lock:
             self.pending += 1
             worker.submit(_Job(self, None, lambda: result.append(_trial_draws(suspect)), _CallerState(), None))

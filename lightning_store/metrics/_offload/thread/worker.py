@@ -1,31 +1,22 @@
 """The one background thread per process that runs offloaded Metrics' updates, in the order they were called."""
 
-import atexit
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from lightning_store.metrics._offload.kept_warnings import _install, _uninstall
-from lightning_store.metrics._offload.queue import _Failure
-
-_local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
+from lightning_store.metrics._offload.workers import _local, _PerProcess
 
 
-def _runs_inline() -> bool:
-    """Whether this thread runs an offloaded Metric's methods directly, rather than queueing or waiting."""
-    return getattr(_local, "inline", 0) > 0
+class _JobsQueue(Protocol):
+    """What the worker thread asks of a job's queue (a ``_ThreadQueue``), which alone writes its counts."""
 
+    def run(self, job: "_Job") -> None: ...
 
-class _Inline:
-    """``with _Inline():`` runs an offloaded Metric's methods directly in this thread (its ``forward``)."""
+    def ran(self) -> None: ...
 
-    def __enter__(self) -> None:
-        _local.inline = getattr(_local, "inline", 0) + 1
-
-    def __exit__(self, *exc: Any) -> None:
-        _local.inline -= 1
+    def dropped_at_exit(self, count: int = 1) -> None: ...
 
 
 class _Job:
@@ -36,7 +27,7 @@ class _Job:
 
     __slots__ = ("number", "obj", "queue", "run", "state")
 
-    def __init__(self, queue: Any, number: int | None, run: Callable[[], Any], state: Any, obj: Any) -> None:
+    def __init__(self, queue: _JobsQueue, number: int | None, run: Callable[[], Any], state: Any, obj: Any) -> None:
         self.queue = queue
         self.number = number
         self.run = run
@@ -44,13 +35,11 @@ class _Job:
         self.obj = obj
 
 
-class _Worker:
+class _WorkerThread:
     """A daemon thread started at the first job, with one FIFO for every offloaded Metric of the process.
 
-    ``lock`` guards the FIFO and every queue's counts; ``changed`` is notified when a job is queued or done. Before
-    the process forks (a DataLoader worker), the FIFO is run to its end, so the child starts with every state whole
-    and no torch call in flight in another thread; the child gets a worker of its own, started when it needs one.
-    At exit, jobs not yet run are dropped (nothing can read them any more) and the thread is given a moment to end.
+    ``lock`` guards the FIFO and every queue's counts; ``changed`` is notified when a job is queued or done. How it
+    starts, runs, fails and stops (at a fork, at exit): the NOTE in ``workers.py``.
     """
 
     exit_timeout_s = 2.0
@@ -67,7 +56,7 @@ class _Worker:
     def submit(self, job: _Job) -> None:
         """Queue ``job``; the caller holds ``lock`` and has counted it as pending on its queue."""
         if self.thread is None:
-            _register_process_hooks()
+            _THREAD.started()
             _install()  # a warning an update gives in the thread is kept for its caller
             self.thread = threading.Thread(target=self._loop, name="lightning-store-offload", daemon=True)
             self.thread.start()
@@ -99,14 +88,11 @@ class _Worker:
                 job = self.jobs.popleft()
                 self.busy = True
             try:
-                job.queue.run(job)
-            except BaseException as error:  # in the queue's own steps: kept for the caller, and this thread goes on
-                if job.queue.failure is None:
-                    job.queue.failure = _Failure(error, job.number)
+                job.queue.run(job)  # what it raises is kept for the caller
             finally:
                 with self.lock:
                     self.busy = False
-                    job.queue.pending -= 1
+                    job.queue.ran()
                     self.changed.notify_all()
 
     def quiesce(self) -> None:
@@ -121,8 +107,7 @@ class _Worker:
         """Drop the jobs not yet run and let the thread end (at exit)."""
         with self.lock:
             for job in self.jobs:
-                job.queue.pending -= 1
-                job.queue.dropped += 1
+                job.queue.dropped_at_exit()
             self.jobs.clear()
             self.stopping = True
             self.changed.notify_all()
@@ -132,26 +117,9 @@ class _Worker:
         _uninstall()
 
 
-_worker = _Worker()
+_THREAD = _PerProcess(_WorkerThread, _WorkerThread.stop, before_fork=_WorkerThread.quiesce)
 
 
-def _get_worker() -> _Worker:
-    return _worker
-
-
-def _fresh_in_child() -> None:
-    # the parent's thread does not exist here, and its lock may have been held by it: a worker of the child's own
-    global _worker
-    _worker = _Worker()
-
-
-_registered = False
-
-
-def _register_process_hooks() -> None:
-    """Register, once and only when a worker first starts, what a fork and the process's exit must do."""
-    global _registered
-    if not _registered:
-        _registered = True
-        os.register_at_fork(before=lambda: _worker.quiesce(), after_in_child=_fresh_in_child)
-        atexit.register(lambda: _worker.stop())
+def _thread_worker() -> _WorkerThread:
+    """The worker thread of this process."""
+    return _THREAD.get()
