@@ -58,11 +58,12 @@ class _ProcessQueue(_Queue):
         return bool(self.pending) or self.ahead_there
 
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
+        worker = _process_worker()
         if self.pending:  # the answers that arrived: an update that failed is said at this call, as with a thread
-            with _process_worker().lock:
-                _process_worker().receive_ready()
+            with worker.lock:
+                worker.receive_ready()
         self.report()
-        if _process_worker().stopping:  # the process is exiting (an update from another exit handler)
+        if worker.stopping:  # the process is exiting (an update from another exit handler)
             if self.ahead():
                 self.dropped += 1
                 self.report()
@@ -79,45 +80,48 @@ class _ProcessQueue(_Queue):
             queue.queue_update(obj, update, args, kwargs)
             return
         outgoing = _Outgoing(args, kwargs)
-        with _process_worker().lock:
+        with worker.lock:
             self._send_root()
-            waited = _wait_for_room(self, _process_worker().receive, _process_worker().receive_ready)
+            waited = _wait_for_room(self, worker.receive, worker.receive_ready)
             if self.lost is not None:  # lost while it waited
                 self.report()
             head = (self.id, self.queued + 1, path)
-            generation = _process_worker().generation
-            _process_worker().queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
-            if _process_worker().generation != generation:  # the worker process ended while it waited
+            generation = worker.generation
+            worker.queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
+            if worker.generation != generation:  # the worker process ended while it waited
                 if self.lost is not None:
-                    _process_worker().unqueue_last()
+                    worker.unqueue_last()
                     self.report()
                 self._send_root()  # nothing of it was lost: the new worker process gets it before the update
             self.pending += 1
             self.queued += 1
             self.ahead_there = True
-            _process_worker().flush(wait=False)
+            worker.flush(wait=False)
         self._count_wait(waited)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:
-        with _process_worker().lock:
+        worker = _process_worker()
+        with worker.lock:
             self._send_root()
             self.pending += 1
-            _process_worker().send_call(_Call(self.id, self._path(obj), method, args))
+            worker.send_call(_Call(self.id, self._path(obj), method, args))
 
     def settle(self) -> None:
-        with _process_worker().lock:
+        worker = _process_worker()
+        with worker.lock:
             self._wait()
             if self.ahead_there and self.lost is None:
-                _process_worker().pull(self)
+                worker.pull(self)
             self.ahead_there = False
             self.sent = False  # read here, it may be changed here: the worker process gets it again
         self.report()
 
     def _wait(self) -> None:
-        with _process_worker().lock:
-            _process_worker().flush()
+        worker = _process_worker()
+        with worker.lock:
+            worker.flush()
             while self.pending and self.lost is None:
-                _process_worker().receive()
+                worker.receive()
 
     def _report_more(self) -> None:
         if self.lost is None:
