@@ -17,15 +17,17 @@ from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _Arena
 from lightning_store.metrics._offload.process.inputs import _read_inputs
 from lightning_store.metrics._offload.process.messages import (
+    _RAN_AT_ONCE,
     _Broken,
     _Call,
-    _Done,
     _Drop,
     _Fatal,
     _Filters,
     _Forget,
     _Pull,
+    _Ran,
     _read,
+    _Readable,
     _Ready,
     _Replace,
     _Resume,
@@ -92,6 +94,8 @@ class _ChildServer:
         self.arenas = _Arenas()
         self.state: Any = None  # the caller's torch state of the last update
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.readable = _Readable(conn)
+        self.ran: list[tuple] = []  # the `_Done`s not sent yet, in order
         # answers go out from a thread of their own: this one keeps reading, so neither side waits on a full pipe
         self.sender = threading.Thread(target=self._send_all, name="lightning-store-answers", daemon=True)
         self.sender.start()
@@ -106,8 +110,10 @@ class _ChildServer:
     def run(self) -> None:
         parent = os.getppid()
         while True:
+            if self.ran and not self.readable(0):  # caught up with the parent: what ran goes back
+                self._answer()
             try:
-                while not self.conn.poll(_WATCH_S):
+                while not self.readable(_WATCH_S):
                     if os.getppid() != parent:  # the parent is gone (its end of the pipe may live in a fork of it)
                         return
                 message = _read(self.conn.recv())
@@ -135,6 +141,7 @@ class _ChildServer:
                 case _Filters(filters):
                     warnings.filters[:] = filters  # type: ignore[index]
                 case _Stop():
+                    self._answer()
                     self.outbox.put(None)
                     self.sender.join(1)
                     return
@@ -149,7 +156,10 @@ class _ChildServer:
         except BaseException as error:  # its class cannot be imported here, say: the parent is told, once
             self.objects.pop(object_id, None)
             self.broken[object_id] = _error_info(error)
-            self.outbox.put(_Broken(object_id, self.broken[object_id]))
+            self._put(_Broken(object_id, self.broken[object_id]))
+            return
+        for module in self.objects[object_id].modules():  # the plain Metrics: this process runs them as they are
+            module.__class__ = type(module).__dict__.get("_base_class", type(module))
 
     def _run(
         self,
@@ -173,19 +183,32 @@ class _ChildServer:
             error, kept, drawn = _run_one(target, method, inputs, state, call_args, self.arenas)
             if error is not None or drawn:
                 self.failed.add(object_id)
-        self.outbox.put(_Done(object_id, number, error, kept, drawn, discarded, spent))
+        self.ran.append((object_id, number, error, kept, drawn, discarded, spent))
+        if error is not None or drawn or len(self.ran) >= _RAN_AT_ONCE:
+            self._answer()
+
+    def _answer(self) -> None:
+        """Send what ran since the last answer."""
+        if self.ran:
+            self.outbox.put(_Ran(self.ran))
+            self.ran = []
+
+    def _put(self, message: Any) -> None:
+        """Send ``message`` after what ran before it."""
+        self._answer()
+        self.outbox.put(message)
 
     def _pull(self, object_id: int) -> None:
         obj = self.objects.get(object_id)
         if obj is None:
-            self.outbox.put(_States(object_id, None, self.broken.get(object_id)))
+            self._put(_States(object_id, None, self.broken.get(object_id)))
             return
         values = [_data_of(module) for module in obj.modules()]
         try:
-            self.outbox.put(_States(object_id, _pickling.dumps(values), None))
+            self._put(_States(object_id, _pickling.dumps(values), None))
         except BaseException as error:  # an attribute an update set that cannot be pickled, or no memory for it
             where = "" if isinstance(error, MemoryError) else _unpicklable(obj, values)
-            self.outbox.put(_States(object_id, None, _error_info(error, where)))
+            self._put(_States(object_id, None, _error_info(error, where)))
 
 
 def _run_one(target: Module, method: str, inputs: Any, state: Any, call_args: tuple, arenas: _Arenas) -> tuple:

@@ -18,13 +18,17 @@ From the worker process, in the order it made them:
 - ``_Fatal``: the error that ends it;
 - ``_States``: a read's answer, the states or the error that kept them from being sent;
 - ``_Broken``: the copy of an object could not be made there (its class cannot be imported, say);
-- ``_Done``: an update or a call ran, or was not run after a failed one: what it raised, warned and drew.
+- ``_Ran``: the updates and calls run since the last one, in order, each a ``_Done``: what it raised, warned and
+  drew, or that it was not run after a failed one. One answer for a run of updates, sent once no message waits,
+  after an update that failed or drew, or every ``_RAN_AT_ONCE`` updates: answered one by one, an update costs
+  both processes a pipe's round trip.
 
 A message goes as its kind's number and its fields (:func:`_wire`, :func:`_read`): a class pickles and unpickles
 through Python code, about 3 us each way against under 1 us for a tuple, and an update is sent, and answered, at
 every call.
 """
 
+import select
 from typing import Any, NamedTuple
 
 
@@ -91,7 +95,7 @@ class _Broken(NamedTuple):
     error: tuple
 
 
-class _Done(NamedTuple):
+class _Done(NamedTuple):  # one of `_Ran`'s, sent as its fields
     object_id: int
     number: int | None  # the update's, None for a call
     error: tuple | None
@@ -101,9 +105,16 @@ class _Done(NamedTuple):
     spent: bool  # its inputs' arena space may be used again
 
 
+class _Ran(NamedTuple):
+    done: list[tuple]  # each a `_Done`'s fields
+
+
+_RAN_AT_ONCE = 64
+
+
 _KINDS: tuple[type, ...] = (
     *(_Replace, _Update, _Call, _Pull, _Drop, _Forget, _Resume, _Filters, _Stop),
-    *(_Ready, _Fatal, _States, _Broken, _Done),
+    *(_Ready, _Fatal, _States, _Broken, _Ran),
 )
 _NUMBER = {kind: number for number, kind in enumerate(_KINDS)}
 
@@ -120,3 +131,25 @@ def _read(raw: tuple) -> Any:
     except (IndexError, KeyError, TypeError):
         raise ValueError(f"not a message of lightning-store's offload worker: {raw!r}") from None
     return kind._make(raw[1:])
+
+
+class _Readable:
+    """Whether a message waits to be read on ``conn``, waiting at most a timeout: one ``select.poll`` kept for it.
+
+    ``Connection.poll`` makes a selector at each call (about 10 µs), and both processes look at every update. A pipe
+    whose other end closed reads as ready: the read then raises ``EOFError``.
+    """
+
+    __slots__ = ("conn", "poller")
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.poller: Any = None
+        if hasattr(select, "poll"):  # not on Windows: `Connection.poll` there
+            self.poller = select.poll()
+            self.poller.register(conn.fileno(), select.POLLIN)
+
+    def __call__(self, timeout_s: float) -> bool:
+        if self.poller is None:
+            return bool(self.conn.poll(timeout_s))
+        return bool(self.poller.poll(timeout_s * 1000))

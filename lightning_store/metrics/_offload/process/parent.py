@@ -47,6 +47,7 @@ class _ProcessWorker:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.conn: Any = None
+        self.readable: _messages._Readable | None = None
         self.process: Any = None
         self.queues: weakref.WeakValueDictionary[int, _Offloaded] = weakref.WeakValueDictionary()
         self.ids = 0
@@ -98,6 +99,7 @@ class _ProcessWorker:
         _check_main_runs_again()
         context = multiprocessing.get_context("spawn")
         self.conn, theirs = context.Pipe()
+        self.readable = _messages._Readable(self.conn)
         self.process = context.Process(target=_serve, args=(theirs,), name="lightning-store-offload", daemon=True)
         self.process.start()
         theirs.close()
@@ -199,8 +201,8 @@ class _ProcessWorker:
     def receive(self) -> None:
         """Wait for the next answer of the worker process, and take it; looking every few seconds that it lives."""
         try:
-            while not self.conn.poll(_LIVENESS_S):
-                if not self.process.is_alive() and not self.conn.poll(0):
+            while not self._answered(_LIVENESS_S):
+                if not self.process.is_alive() and not self._answered(0):
                     raise EOFError  # its end of the pipe lives on in a fork of this process, say
             message = _messages._read(self.conn.recv())
         except (EOFError, OSError, AttributeError):  # ended, or lost already (no pipe)
@@ -208,14 +210,21 @@ class _ProcessWorker:
             return
         self._take(message)
 
+    def _answered(self, timeout_s: float) -> bool:
+        """Whether an answer waits to be read, waiting at most ``timeout_s``; ``OSError`` if there is no pipe."""
+        if self.readable is None:
+            raise OSError("no worker process")
+        return self.readable(timeout_s)
+
     def _take(self, message: Any) -> None:
         match message:
-            case _messages._Done(queue_id, number, error, kept, drawn, discarded, spent):
-                if spent:
-                    self.space.answered()
-                queue = self.queues.get(queue_id)
-                if queue is not None:
-                    queue.on_done(number, error, kept, drawn, discarded)
+            case _messages._Ran(done):
+                for queue_id, number, error, kept, drawn, discarded, spent in map(_messages._Done._make, done):
+                    if spent:
+                        self.space.answered()
+                    queue = self.queues.get(queue_id)
+                    if queue is not None:
+                        queue.on_done(number, error, kept, drawn, discarded)
             case _messages._States(queue_id, payload, error):
                 self.pulled[queue_id] = (payload, error)
             case _messages._Broken(queue_id, error):
@@ -230,7 +239,7 @@ class _ProcessWorker:
     def receive_ready(self) -> None:
         """Take the answers the worker process has sent, without waiting for more."""
         try:
-            while self.conn is not None and self.conn.poll():
+            while self.conn is not None and self._answered(0):
                 self.receive()
         except (OSError, ValueError):
             self._lost()
@@ -246,7 +255,7 @@ class _ProcessWorker:
     def _lost(self) -> None:
         """The worker process ended (killed, out of memory, or it could not start): each queue is told why."""
         with contextlib.suppress(EOFError, OSError, AttributeError):
-            while self.conn.poll(0):
+            while self._answered(0):
                 self._take(_messages._read(self.conn.recv()))
         if self.process is not None:
             self.process.join(1)
@@ -264,7 +273,7 @@ class _ProcessWorker:
         if self.conn is not None:
             with contextlib.suppress(OSError):
                 self.conn.close()
-        self.conn, self.process, self.outbox = None, None, deque()
+        self.conn, self.readable, self.process, self.outbox = None, None, None, deque()
         self.filters, self.state, self.ready, self.fatal, self.pulled = (), None, False, None, {}
         self.generation += 1
 
