@@ -1,6 +1,7 @@
 """An update's inputs for the worker process: tensors written into the shared arena, read back there."""
 
 import ctypes
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ from torch import Tensor
 from lightning_store._buffer import _Copy, _transfer_for
 from lightning_store.metrics._offload.inputs import _map_inputs, _small_and_whole
 from lightning_store.metrics._offload.layout import Flags, as_passed, flags, misalignment, spanned, unflagged
+from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _aligned, _Arena
 from lightning_store.metrics._offload.process.pickling import _tensor
 
@@ -104,6 +106,21 @@ class _Outgoing:
         where = _InArena(tensor.dtype, tuple(tensor.shape), tensor.stride(), pad, count, passed)
         self.written.append((where, source))
         return where
+
+    def pickled(self, name: str) -> bytes:
+        """The inputs, pickled at the call (``name``: the Metric's); a ``TypeError`` if one cannot be."""
+        try:
+            if self.tensors:
+                return _pickling.dumps(self.inputs)
+            # most often no tensor is left in them (they are in the arena, or `_Small`): pickle's own is faster
+            return pickle.dumps(self.inputs, pickle.HIGHEST_PROTOCOL)
+        except Exception as error:
+            raise TypeError(
+                f"{name}.update got an input that cannot be pickled ({error}), and the worker process takes a copy"
+                " of each: the update is not queued, and the Metric's state is as before the call. HINT: pass"
+                " tensors, numbers, strings, and lists, tuples or dicts of them (not a generator, a lambda or an"
+                " open file), or pass worker='thread' to offload_to_cpu."
+            ) from error
 
     def place(self, arena: _Arena, offset: int) -> None:
         """Write the CPU inputs at ``offset`` in ``arena`` (taken for :attr:`nbytes`), and place the others after."""

@@ -85,13 +85,9 @@ class _ProcessWorker:
         with self.lock:
             if self._in_use() or self.conn is None or self.stopping:
                 return
-            with contextlib.suppress(OSError, ValueError):
-                self.conn.send(_messages._wire(_messages._Stop()))
-            process = self.process
-            self._forget_worker()
-        process.join(2)
-        if process.is_alive():
-            process.terminate()
+            conn, process = self.conn, self.process
+            self._forget_worker(close=False)
+        _end(conn, process, close=True)
 
     def start(self) -> None:
         from lightning_store.metrics._offload.process.child import _serve
@@ -143,21 +139,12 @@ class _ProcessWorker:
             arena, offset = self.space.take(outgoing.nbytes, self._wait_for_answer)
             outgoing.place(arena, offset)
         try:
-            inputs = (
-                _pickling.dumps(outgoing.inputs)
-                if outgoing.tensors
-                else pickle.dumps(outgoing.inputs, pickle.HIGHEST_PROTOCOL)
-            )
-        except Exception as error:
+            inputs = outgoing.pickled(name)
+        except TypeError:
             if arena is not None:
                 arena.untake()
             outgoing.release()
-            raise TypeError(
-                f"{name}.update got an input that cannot be pickled ({error}), and the worker process takes a copy"
-                " of each: the update is not queued, and the Metric's state is as before the call. HINT: pass"
-                " tensors, numbers, strings, and lists, tuples or dicts of them (not a generator, a lambda or an"
-                " open file), or pass worker='thread' to offload_to_cpu."
-            ) from error
+            raise
         self.space.sent(arena)
         self.outbox.append((head, outgoing, state, arena, inputs))
 
@@ -183,8 +170,6 @@ class _ProcessWorker:
                 self.filters = filters
             same = state == self.state  # most often: sent once, and the worker process keeps it
             self.state = state
-            # the inputs, pickled at the call: most often no tensor is left in them (they are in the arena, or
-            # `_Small`), and pickle's own was faster
             update = _messages._Update(*head, inputs, None if same else state)
             self.send_bytes(pickle.dumps(_messages._wire(update), pickle.HIGHEST_PROTOCOL))
             if self.conn is None:  # the worker process was lost: the updates left are too
@@ -265,12 +250,12 @@ class _ProcessWorker:
             queue.worker_lost(reason, hint)
         self._forget_worker()
 
-    def _forget_worker(self) -> None:
-        """Start afresh at the next message: no worker process, no arena, nothing sent."""
+    def _forget_worker(self, close: bool = True) -> None:
+        """Start afresh at the next message: no worker process, no arena, nothing sent (the pipe closed)."""
         for _, outgoing, _, _, _ in self.outbox:
             outgoing.release()
         self.space.close()
-        if self.conn is not None:
+        if self.conn is not None and close:
             with contextlib.suppress(OSError):
                 self.conn.close()
         self.conn, self.readable, self.process, self.outbox = None, None, None, deque()
@@ -283,12 +268,20 @@ class _ProcessWorker:
         for queue in list(self.queues.values()):
             queue.dropped_at_exit(queue.pending)
         if self.conn is not None:
-            with contextlib.suppress(OSError):  # it ended already
-                self.conn.send(_messages._wire(_messages._Stop()))
-            self.process.join(2)
-            if self.process.is_alive():
-                self.process.terminate()
+            _end(self.conn, self.process)
         self.space.close()  # the outbox's arenas are in flight
+
+
+def _end(conn: Any, process: Any, close: bool = False) -> None:
+    """Tell the worker process to stop, and give it two seconds before it is terminated; ``close`` the pipe."""
+    with contextlib.suppress(OSError, ValueError):  # it ended already
+        conn.send(_messages._wire(_messages._Stop()))
+    if close:
+        with contextlib.suppress(OSError):
+            conn.close()
+    process.join(2)
+    if process.is_alive():
+        process.terminate()
 
 
 def _in_child(old: _ProcessWorker, new: _ProcessWorker) -> None:
