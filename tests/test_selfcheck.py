@@ -156,6 +156,10 @@ def test_on_a_machine_without_cuda_the_cpu_checks_pass_and_the_cuda_checks_skip_
     best = pays["data"]["best"]
     assert pays["detail"].endswith(f"(medians of {_offload_pays.ROUNDS} rounds of {_offload_pays.STEPS} steps)")
     assert ("does not pay" in pays["detail"]) == (best == "inline") and best in pays["data"]["ratios"]
+    start_s, resident = pays["data"]["worker_start_s"], pays["data"]["worker_resident_bytes"]
+    assert start_s > 0 and f"a worker process started in {start_s:.1f} s and held" in pays["detail"]
+    if sys.platform == "linux":  # read from /proc: a Python process with torch imported holds tens of MiB at least
+        assert resident > 50 * 2**20 and f" {resident / 2**20:.0f} MiB then" in pays["detail"]
 
 
 @cpu_only

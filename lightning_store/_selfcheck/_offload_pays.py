@@ -11,6 +11,7 @@ from torchmetrics.classification import BinaryAUROC
 from lightning_store import offload_to_cpu
 from lightning_store._selfcheck._core import Context, Outcome
 from lightning_store._selfcheck._fits import quiet
+from lightning_store.metrics._offload.process.parent import _ProcessWorker  # no public API starts one alone
 
 OPS = 900  # small ops a step: a step mostly Python, as a host launching a GPU's kernels
 PREDICTIONS = 1000
@@ -34,6 +35,32 @@ def _steps(metric: Metric | None, batches: list[tuple[torch.Tensor, torch.Tensor
     return (time.perf_counter() - start) / STEPS
 
 
+def _worker_process_start() -> tuple[float, int | None]:
+    """The seconds a worker process of its own takes to start (until it says so), and its resident bytes then."""
+    worker = _ProcessWorker()
+    started = time.perf_counter()
+    worker.start()
+    try:
+        while not worker.ready and worker.conn is not None:
+            worker.receive()
+        seconds = time.perf_counter() - started
+        return seconds, _resident_bytes(worker.process.pid) if worker.ready else None
+    finally:
+        worker.stop()
+
+
+def _resident_bytes(pid: int) -> int | None:
+    """A process's resident memory, from ``/proc`` (Linux); ``None`` where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def check_offload_pays(context: Context) -> Outcome:
     """The step with the Metric inline, offloaded to a thread and to a process, over the step without it."""
     generator = torch.Generator().manual_seed(0)
@@ -51,6 +78,7 @@ def check_offload_pays(context: Context) -> Outcome:
         for round_ in range(ROUNDS):
             for way in WAYS if round_ % 2 == 0 else reversed(WAYS):
                 times[way].append(_steps(metrics[way], batches))
+    start_s, resident = _worker_process_start()
     step = statistics.median(times["none"])
     ratios = {way: statistics.median(times[way]) / step for way in WAYS[1:]}
     best = min(ratios, key=ratios.__getitem__)
@@ -63,7 +91,8 @@ def check_offload_pays(context: Context) -> Outcome:
         f"a step of {OPS} small ops (mostly Python, as a host launching a GPU's kernels) with BinaryAUROC"
         f"(thresholds=200) of {PREDICTIONS} predictions updated in it, over the step without ({step * 1e3:.2f} ms):"
         f" inline {ratios['inline']:.2f}, worker thread {ratios['thread']:.2f}, worker process"
-        f" {ratios['process']:.2f}; {verdict}"
+        f" {ratios['process']:.2f}; {verdict}; a worker process started in {start_s:.1f} s and held"
+        + (f" {resident / 2**20:.0f} MiB then" if resident is not None else " memory this system does not show")
         + "".join(f"; lightning-store warned: {message.split('. ')[0]}" for message in warned)
         + f" (medians of {ROUNDS} rounds of {STEPS} steps)"
     )
@@ -73,6 +102,8 @@ def check_offload_pays(context: Context) -> Outcome:
         "ops": OPS,
         "steps": STEPS,
         "best": best,
+        "worker_start_s": start_s,
+        "worker_resident_bytes": resident,
         "warnings": warned,
     }
     return Outcome("INFO", detail, data)

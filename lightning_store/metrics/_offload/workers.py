@@ -50,9 +50,10 @@ _W = TypeVar("_W")
 # Stop. Before a fork (a DataLoader worker), the thread runs its FIFO to its end; in the child, a new worker of
 # each kind started is made, and the objects whose updates ran in the parent's worker process and were not read
 # back are lost there (`_ProcessQueue.forked`). At exit, each worker drops the updates not run (counted by the queue,
-# `dropped_at_exit`, said at the next read) and ends: the thread is joined for 2 s, the worker process is told to
-# `_Stop`, then ended if it has not after 2 s; an update made after that runs in the caller (`_Inline`). Once no
-# offloaded object is left, the worker process ends 10 s later (`_IDLE_S`): a new one starts if need be.
+# `dropped_at_exit`, said at the next read) and ends: the thread once the update it runs has (joined for up to
+# 10 s), the worker process told to `_Stop`, then ended if it has not after 2 s; an update made after that runs in
+# the caller (`_Inline`). Once no offloaded object is left, the worker process ends 10 s later (`_IDLE_S`): a new
+# one starts if need be.
 
 _local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
 

@@ -42,7 +42,9 @@ class _WorkerThread:
     starts, runs, fails and stops (at a fork, at exit): the NOTE in ``workers.py``.
     """
 
-    exit_timeout_s = 2.0
+    # at exit, how long the update the thread runs has to end: the process aborts at its end (`terminate called`)
+    # with the thread still in torch code, and a first update may take seconds (torch's dispatch modes import)
+    exit_timeout_s = 10.0
     liveness_s = 5.0  # as torch's DataLoader: a wait for the thread looks this often whether it still runs
 
     def __init__(self) -> None:
