@@ -31,8 +31,9 @@ _W = TypeVar("_W")
 # the pipe (`_Update`), with the warnings filters and the torch state only when they changed.
 #
 # Answer. Thread: after each job, the worker counts it run (`_Queue.ran`, one less pending) and wakes the waiters.
-# Process: the worker process answers each update and call (`_Done`, which also frees its arena space) and each
-# read (`_States`) in order, from a thread of its own; this process takes the answers only when it waits for one
+# Process: the worker process answers the updates and calls it ran (`_Ran`, a `_Done` each, which also frees its
+# arena space: one answer once no message waits, after a failure or a draw, or every 64) and each read
+# (`_States`), in order, from a thread of its own; this process takes the answers only when it waits for one
 # (`receive`) or queues an update (`receive_ready`). A read waits until nothing is pending (`settle`), and a
 # worker process's copy sends its states back (`_Pull`), which the queue copies into the object here.
 #
