@@ -123,8 +123,8 @@ def test_numpys_state_is_read_in_full_only_when_it_may_have_changed(monkeypatch)
     np.random.seed(0)
     draws._host_states()
     reads = []
-    words_of = draws._numpy_state.words_of
-    monkeypatch.setattr(draws._numpy_state, "words_of", lambda generator: reads.append(1) or words_of(generator))
+    full = draws._numpy_state.full
+    monkeypatch.setattr(draws._numpy_state, "full", lambda generator: reads.append(1) or full(generator))
     for _ in range(5):
         draws._host_states()
     assert reads == []  # unchanged, no spare deviate: known from its words in memory

@@ -70,40 +70,42 @@ class _TwisterState:
     Their own ``getstate()`` and ``get_state()`` build a tuple or a dict of the 624 words of the state (6 to 30 µs a
     call). The words and the position are read here as they lie in memory (about 1 µs), once a check at first use
     showed, on a generator of this class's own, that they lie as the generator's own state says. Both also keep a
-    spare normal deviate (``gauss_next``; NumPy's ``has_gauss`` and ``gauss``), which a draw may take without moving
-    the words: Python's is read as an attribute; NumPy's only with its whole state, so that part is known without a
-    read only when the words have not moved since the last full read and no deviate was kept then (keeping one
-    moves them). Otherwise, and where the check failed, the state is read in full.
+    spare normal deviate, which a draw may take without moving the words. Python's is an attribute, read each time.
+    NumPy's comes only with its whole state: it is known without a read only when the words have not moved since
+    the last full read and no deviate was kept then (keeping one moves them). Otherwise, and where the check failed,
+    the state is read in full.
 
     Args:
         address: where a generator's words lie (``None``: they cannot be read there).
-        words_of: a generator's words and position, from its own state.
+        full: a generator's words and position, and its spare deviate, from its own state.
+        spare: its spare deviate alone, where that is cheap (Python's); ``None`` where it comes with ``full`` only.
         readable: a generator of the kind, seeded, and a draw from it, for the check.
     """
 
     def __init__(
         self,
         address: Callable[[Any], int | None],
-        words_of: Callable[[Any], bytes],
+        full: Callable[[Any], tuple[bytes, Any]],
+        spare: Callable[[Any], Any] | None,
         readable: Callable[[], tuple[Any, Callable[[], Any]]],
     ) -> None:
-        self.address, self.words_of, self.readable = address, words_of, readable
+        self.address, self.full, self.spare, self.readable = address, full, spare, readable
         self.checked: bool | None = None  # whether the words lie in memory as the state says (checked once)
-        self.known: tuple[Any, ...] | None = None  # NumPy's last state read in full, as compared
+        self.known: tuple[bytes, Any] | None = None  # the last state read in full, as compared (without `spare`)
 
-    def take(self, generator: Any) -> tuple[Any, ...]:
+    def take(self, generator: Any) -> tuple[bytes, Any]:
         if self.checked is None:
             self.checked = self._check()
         address = self.address(generator) if self.checked else None
         if address is None:
-            return (self.words_of(generator), _spare(generator))
+            return self.full(generator)
         words = ctypes.string_at(address, _MT_BYTES)
-        if isinstance(generator, random.Random):
-            return (words, _spare(generator))
+        if self.spare is not None:
+            return words, self.spare(generator)
         known = self.known
         if known is not None and not known[1][0] and words == known[0]:  # no spare kept: its value is not used
             return known
-        self.known = known = (self.words_of(generator), _spare(generator))
+        self.known = known = self.full(generator)
         return known
 
     def _check(self) -> bool:
@@ -113,7 +115,7 @@ class _TwisterState:
             generator, draw = self.readable()
             for _ in range(3):
                 address = self.address(generator)
-                if address is None or ctypes.string_at(address, _MT_BYTES) != self.words_of(generator):
+                if address is None or ctypes.string_at(address, _MT_BYTES) != self.full(generator)[0]:
                     return False
                 draw()  # past a refill of the 624 words
             return True
@@ -126,9 +128,13 @@ def _python_address(generator: Any) -> int | None:
     return id(generator) + object.__basicsize__ if type(generator) is random.Random else None
 
 
-def _python_words(generator: random.Random) -> bytes:
+def _python_full(generator: random.Random) -> tuple[bytes, Any]:
     words = generator.getstate()[1]  # (the 624 words, the position)
-    return struct.pack("<i624I", words[624], *words[:624])
+    return struct.pack("<i624I", words[624], *words[:624]), _python_spare(generator)
+
+
+def _python_spare(generator: random.Random) -> Any:
+    return getattr(generator, "gauss_next", None)
 
 
 def _python_generator() -> tuple[Any, Callable[[], Any]]:
@@ -149,9 +155,10 @@ def _numpy_address(generator: Any) -> int | None:
     return bits.ctypes.state_address
 
 
-def _numpy_words(generator: Any) -> bytes:
-    state = generator.get_state(legacy=False)["state"]
-    return bytes(state["key"].astype("<u4").data) + struct.pack("<i", state["pos"])
+def _numpy_full(generator: Any) -> tuple[bytes, Any]:
+    state = generator.get_state(legacy=False)
+    words = bytes(state["state"]["key"].astype("<u4").data) + struct.pack("<i", state["state"]["pos"])
+    return words, (state["has_gauss"], state["gauss"])
 
 
 def _numpy_generator() -> tuple[Any, Callable[[], Any]]:
@@ -160,16 +167,8 @@ def _numpy_generator() -> tuple[Any, Callable[[], Any]]:
     return generator, lambda: generator.randint(0, 2, size=700)
 
 
-def _spare(generator: Any) -> Any:
-    """The spare normal deviate a generator keeps: Python's ``gauss_next``, NumPy's ``(has_gauss, gauss)``."""
-    if isinstance(generator, random.Random):
-        return getattr(generator, "gauss_next", None)
-    state = generator.get_state(legacy=False)
-    return state["has_gauss"], state["gauss"]
-
-
-_python_state = _TwisterState(_python_address, _python_words, _python_generator)
-_numpy_state = _TwisterState(_numpy_address, _numpy_words, _numpy_generator)
+_python_state = _TwisterState(_python_address, _python_full, _python_spare, _python_generator)
+_numpy_state = _TwisterState(_numpy_address, _numpy_full, None, _numpy_generator)
 
 
 class _Suspect:
