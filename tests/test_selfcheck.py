@@ -156,6 +156,13 @@ def test_on_a_machine_without_cuda_the_cpu_checks_pass_and_the_cuda_checks_skip_
     best = pays["data"]["best"]
     assert pays["detail"].endswith(f"(medians of {_offload_pays.ROUNDS} rounds of {_offload_pays.STEPS} steps)")
     assert ("does not pay" in pays["detail"]) == (best == "inline") and best in pays["data"]["ratios"]
+    per_update = pays["data"]["per_update_s"]  # as each offloaded Metric measures it to warn that it does not pay
+    assert set(per_update) == {"thread", "process"}
+    for worker, (handoff, saved, held) in per_update.items():
+        assert handoff > 0 and saved > 0 and held >= 0 and (worker == "thread" or held == 0)
+        assert f"worker {worker}: a hand-off of {handoff * 1e3:.3f} ms" in pays["detail"]
+        said = "no warning" if handoff + held < saved else "it warns: costs more than it saves"
+        assert f"against {saved * 1e3:.3f} ms of work moved ({said})" in pays["detail"]
     start_s, resident = pays["data"]["worker_start_s"], pays["data"]["worker_resident_bytes"]
     assert start_s > 0 and f"a worker process started in {start_s:.1f} s and held" in pays["detail"]
     if sys.platform == "linux":  # read from /proc: a Python process with torch imported holds tens of MiB at least

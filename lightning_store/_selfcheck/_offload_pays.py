@@ -2,7 +2,7 @@
 
 import statistics
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torchmetrics import Metric
@@ -12,6 +12,7 @@ from lightning_store import offload_to_cpu
 from lightning_store._selfcheck._core import Context, Outcome
 from lightning_store._selfcheck._fits import quiet
 from lightning_store.metrics._offload.process.parent import _ProcessWorker  # no public API starts one alone
+from lightning_store.metrics._reads import _queue_of  # the figures an offloaded Metric's own warning gives
 
 OPS = 900  # small ops a step: a step mostly Python, as a host launching a GPU's kernels
 PREDICTIONS = 1000
@@ -79,6 +80,11 @@ def check_offload_pays(context: Context) -> Outcome:
             for way in WAYS if round_ % 2 == 0 else reversed(WAYS):
                 times[way].append(_steps(metrics[way], batches))
     start_s, resident = _worker_process_start()
+    # per update, as the Metric measures it to warn that offloading does not pay: hand-off, work moved, Python held
+    payoffs = {}
+    for worker in ("thread", "process"):
+        queue = _queue_of(cast(Metric, metrics[worker]))
+        payoffs[worker] = queue.payoff.last if queue is not None else None
     step = statistics.median(times["none"])
     ratios = {way: statistics.median(times[way]) / step for way in WAYS[1:]}
     best = min(ratios, key=ratios.__getitem__)
@@ -91,7 +97,8 @@ def check_offload_pays(context: Context) -> Outcome:
         f"a step of {OPS} small ops (mostly Python, as a host launching a GPU's kernels) with BinaryAUROC"
         f"(thresholds=200) of {PREDICTIONS} predictions updated in it, over the step without ({step * 1e3:.2f} ms):"
         f" inline {ratios['inline']:.2f}, worker thread {ratios['thread']:.2f}, worker process"
-        f" {ratios['process']:.2f}; {verdict}; a worker process started in {start_s:.1f} s and held"
+        f" {ratios['process']:.2f}; {verdict}; per update, {_payoff_figures(payoffs)};"
+        f" a worker process started in {start_s:.1f} s and held"
         + (f" {resident / 2**20:.0f} MiB then" if resident is not None else " memory this system does not show")
         + "".join(f"; lightning-store warned: {message.split('. ')[0]}" for message in warned)
         + f" (medians of {ROUNDS} rounds of {STEPS} steps)"
@@ -102,8 +109,28 @@ def check_offload_pays(context: Context) -> Outcome:
         "ops": OPS,
         "steps": STEPS,
         "best": best,
+        "per_update_s": payoffs,
         "worker_start_s": start_s,
         "worker_resident_bytes": resident,
         "warnings": warned,
     }
     return Outcome("INFO", detail, data)
+
+
+def _payoff_figures(payoffs: dict[str, tuple[float, float, float] | None]) -> str:
+    """What each worker's hand-off cost the step per update, against the update's work it moved off the step.
+
+    The Metric's own measure, by which it warns when offloading cannot pay; the ratios above say whether it pays.
+    """
+    said = []
+    for worker, figures in payoffs.items():
+        if figures is None:
+            said.append(f"worker {worker}: not measured (too few updates)")
+            continue
+        handoff, saved, held = figures
+        held_part = f" and {held * 1e3:.3f} ms of Python held" if worker == "thread" else ""
+        said.append(
+            f"worker {worker}: a hand-off of {handoff * 1e3:.3f} ms{held_part} against {saved * 1e3:.3f} ms of work"
+            f" moved ({'no warning' if handoff + held < saved else 'it warns: costs more than it saves'})"
+        )
+    return ", ".join(said)

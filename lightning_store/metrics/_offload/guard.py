@@ -1,5 +1,6 @@
 """What the worker refuses while it runs an update: a draw from a global torch generator, an op under another dtype."""
 
+import time
 from typing import Any
 
 import torch
@@ -95,6 +96,9 @@ class _WorkerGuard(TorchDispatchMode):
       ``"bf16-true"`` and ``"64-true"`` precisions set it around each step, and an op creating a tensor would
       give it another dtype than in the plain Metric's update.
 
+    It also times the ops it lets run (``ops_s``, this thread's CPU time in them): the update's work that leaves
+    Python's interpreter to the other threads, against the Python time around it (``payoff._Payoff``).
+
     Args:
         default_dtype: torch's default dtype at the update's call.
 
@@ -103,6 +107,7 @@ class _WorkerGuard(TorchDispatchMode):
     def __init__(self, default_dtype: torch.dtype) -> None:
         super().__init__()
         self.default_dtype = default_dtype
+        self.ops_s = 0.0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -115,7 +120,11 @@ class _WorkerGuard(TorchDispatchMode):
             generator = rule.generator_drawn(args, kwargs)
             if generator is not None:
                 raise _global_draw(func, generator)
-        return func(*args, **kwargs)
+        started = time.thread_time()  # CPU time: a wait for the interpreter, after the op, is not the op's work
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.ops_s += time.thread_time() - started
 
 
 def _global_draw(func: Any, generator: str) -> _Refused:

@@ -9,6 +9,7 @@ from torch.nn import Module
 
 from lightning_store.metrics._offload.guard import _Refused
 from lightning_store.metrics._offload.kept_warnings import _users_frame, _warn_again
+from lightning_store.metrics._offload.payoff import _Payoff
 from lightning_store.warnings import _warn_once_at
 
 DEFAULT_MAX_PENDING = 8
@@ -53,6 +54,7 @@ class _Queue:
         self.dropped = 0  # updates not run, dropped when the process began to exit
         self.warnings: list[tuple[str, warnings.WarningMessage]] = []
         self.lag = _Lag()
+        self.payoff = _Payoff()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.max_pending, self.name)
@@ -99,12 +101,19 @@ class _Queue:
         self.pending -= count
         self.dropped += count
 
-    def _count_wait(self, waited: float | None) -> None:
-        """Count an update's call (``waited``: how long it waited for room); say once if the worker falls behind."""
-        message = self.lag.count(waited, self.name, self.max_pending)
-        if message is not None:
-            frame = _users_frame()
-            _warn_once_at(message, frame.f_code.co_filename, frame.f_lineno)
+    def _count_call(self, started: float, waited: float | None) -> None:
+        """Count an update's call, ``started`` at that ``perf_counter()``, which ``waited`` for room (or did not).
+
+        Said once each: that the worker falls behind (the lag), that offloading costs the step more than it saves.
+        """
+        handoff_s = time.perf_counter() - started - (waited or 0.0)
+        for message in (
+            self.lag.count(waited, self.name, self.max_pending),
+            self.payoff.called(handoff_s, self.name, self.worker),
+        ):
+            if message is not None:
+                frame = _users_frame()
+                _warn_once_at(message, frame.f_code.co_filename, frame.f_lineno)
 
     def report(self) -> None:
         """Give again the warnings the updates run gave, then raise what one of them raised or drew."""

@@ -5,6 +5,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 import traceback
 import warnings
 from typing import Any, cast
@@ -172,7 +173,7 @@ class _ChildServer:
         spent: bool,
         call_args: tuple = (),
     ) -> None:
-        error, kept, drawn = None, [], []
+        error, kept, drawn, update_s = None, [], [], 0.0
         # an object that could not be made here (the parent was told) or whose update failed: its updates not run
         discarded = object_id in self.failed or object_id in self.broken
         if object_id not in self.objects and not discarded:  # never sent here: said, not dropped in silence
@@ -180,10 +181,10 @@ class _ChildServer:
             self.failed.add(object_id)
         elif not discarded:
             target = self.objects[object_id].get_submodule(path) if path else self.objects[object_id]
-            error, kept, drawn = _run_one(target, method, inputs, state, call_args, self.arenas)
+            error, kept, drawn, update_s = _run_one(target, method, inputs, state, call_args, self.arenas)
             if error is not None or drawn:
                 self.failed.add(object_id)
-        self.ran.append((object_id, number, error, kept, drawn, discarded, spent))
+        self.ran.append((object_id, number, error, kept, drawn, discarded, spent, update_s))
         if error is not None or drawn or len(self.ran) >= _RAN_AT_ONCE:
             self._answer()
 
@@ -212,8 +213,11 @@ class _ChildServer:
 
 
 def _run_one(target: Module, method: str, inputs: Any, state: Any, call_args: tuple, arenas: _Arenas) -> tuple:
-    """Run ``target.method`` on the inputs: what it raised, the warnings it gave, the generators it drew from."""
-    error, drawn = None, []
+    """Run ``target.method`` on the inputs: what it raised, the warnings it gave, the generators it drew from.
+
+    And the seconds its ``update`` took (``0.0`` for another method): the work moved off the caller's step.
+    """
+    error, drawn, update_s = None, [], 0.0
     with warnings.catch_warnings(record=True) as caught:
         try:
             if isinstance(inputs, bytes):  # an update's, pickled at its call
@@ -224,14 +228,16 @@ def _run_one(target: Module, method: str, inputs: Any, state: Any, call_args: tu
             else:
                 with state.applied(default_dtype=True):
                     before = _host_states(torch_too=True)  # no other thread draws here: a change is the update's
+                    started = time.perf_counter()
                     try:
                         cast(Any, target).update(*args, **kwargs)
                     finally:
+                        update_s = time.perf_counter() - started
                         drawn = _drawn(before, _host_states(torch_too=True))
         except BaseException as exception:  # `SystemExit` and pytest's `Failed` too: sent, and this process goes on
             error = _error_info(exception)
     kept = [(w.category, _picklable(w.message), w.filename, w.lineno) for w in caught[:_KEPT_WARNINGS]]
-    return error, kept, drawn
+    return error, kept, drawn, update_s
 
 
 def _data_of(module: Module) -> dict[str, Any]:

@@ -103,6 +103,7 @@ class _Done(NamedTuple):  # one of `_Ran`'s, sent as its fields
     drawn: list[str]  # the global generators it drew from
     discarded: bool  # not run: an update of the object failed before
     spent: bool  # its inputs' arena space may be used again
+    update_s: float  # how long its `update` ran (0.0 for a call, or not run)
 
 
 class _Ran(NamedTuple):

@@ -26,7 +26,7 @@ class _Offloaded(Protocol):
     lost: str | None
 
     def ahead(self) -> bool: ...
-    def on_done(self, number: int | None, error: Any, kept: list, drawn: list[str], discarded: bool) -> None: ...
+    def on_done(self, answer: _messages._Done) -> None: ...
     def on_broken(self, error: tuple) -> None: ...
     def on_pulled(self, payload: bytes | None, error: tuple | None) -> None: ...
     def worker_lost(self, reason: str, hint: str) -> None: ...
@@ -204,12 +204,12 @@ class _ProcessWorker:
     def _take(self, message: Any) -> None:
         match message:
             case _messages._Ran(done):
-                for queue_id, number, error, kept, drawn, discarded, spent in map(_messages._Done._make, done):
-                    if spent:
+                for answer in map(_messages._Done._make, done):
+                    if answer.spent:
                         self.space.answered()
-                    queue = self.queues.get(queue_id)
+                    queue = self.queues.get(answer.object_id)
                     if queue is not None:
-                        queue.on_done(number, error, kept, drawn, discarded)
+                        queue.on_done(answer)
             case _messages._States(queue_id, payload, error):
                 self.pulled[queue_id] = (payload, error)
             case _messages._Broken(queue_id, error):

@@ -2,6 +2,7 @@
 
 import contextlib
 import pickle
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,7 @@ from lightning_store.metrics._offload.guard import _Refused
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.ended import _RESET, _why_not_made
 from lightning_store.metrics._offload.process.inputs import _Outgoing
-from lightning_store.metrics._offload.process.messages import _Call, _Replace, _Resume
+from lightning_store.metrics._offload.process.messages import _Call, _Done, _Replace, _Resume
 from lightning_store.metrics._offload.process.parent import _process_worker
 from lightning_store.metrics._offload.queue import _Failure, _Queue, _wait_for_room
 from lightning_store.metrics._offload.workers import _Inline
@@ -58,6 +59,7 @@ class _ProcessQueue(_Queue):
         return bool(self.pending) or self.ahead_there
 
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
+        called = time.perf_counter()
         worker = _process_worker()
         if self.pending:  # the answers that arrived: an update that failed is said at this call, as with a thread
             with worker.lock:
@@ -97,7 +99,7 @@ class _ProcessQueue(_Queue):
             self.queued += 1
             self.ahead_there = True
             worker.flush(wait=False)
-        self._count_wait(waited)
+        self._count_call(called, waited)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:
         worker = _process_worker()
@@ -174,9 +176,12 @@ class _ProcessQueue(_Queue):
         _process_worker().send(_Resume(self.id))  # the worker process runs this object's updates again
         super()._raise_failure()
 
-    def on_done(self, number: int | None, error: Any, kept: list, drawn: list[str], discarded: bool) -> None:
-        """An update (``number``) or a call ran in the worker process, or was not run after a failed one."""
+    def on_done(self, answer: _Done) -> None:
+        """An update (``answer.number``) or a call ran in the worker process, or was not run after a failed one."""
         self.ran()
+        number, error, kept, drawn, discarded = answer.number, answer.error, answer.kept, answer.drawn, answer.discarded
+        if number is not None and not discarded:
+            self.payoff.ran(answer.update_s)
         if discarded:
             if self.failure is not None:
                 self.failure.discarded += number is not None

@@ -1,6 +1,7 @@
 """Offloaded updates run by a thread of this process: the queue, and the state each update runs in there."""
 
 import functools
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,8 +43,9 @@ class _ThreadQueue(_Queue):
         return self
 
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
+        called = time.perf_counter()
         started = _start_copies(args, kwargs)
-        self.submit(functools.partial(_run_landed, update, started), obj)
+        self.submit(functools.partial(_run_landed, update, started), obj, called)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:
         self.submit(functools.partial(getattr(obj._base_class, method), obj, *args))
@@ -51,12 +53,12 @@ class _ThreadQueue(_Queue):
     def ahead(self) -> bool:
         return bool(self.pending)
 
-    def submit(self, run: Callable[[], Any], obj: Any = None) -> None:
+    def submit(self, run: Callable[[], Any], obj: Any = None, called: float | None = None) -> None:
         """Queue ``run`` (``obj``'s update) after the calls already queued; first wait while ``max_pending`` wait.
 
         ``run`` returns the inputs the update ran on, for a trial if Python's or NumPy's generator changed
         meanwhile. Without ``obj``, ``run`` is no update (a collection's copy of its compute groups' states):
-        it is queued in the same order, and not numbered.
+        it is queued in the same order, and not numbered. ``called``: the ``perf_counter()`` at the update's call.
         """
         self.report()
         worker = _thread_worker()
@@ -71,8 +73,8 @@ class _ThreadQueue(_Queue):
             if obj is not None:
                 self.queued += 1
             worker.submit(_Job(self, self.queued if obj is not None else None, run, state, obj))
-        if obj is not None:
-            self._count_wait(waited)
+        if obj is not None and called is not None:
+            self._count_call(called, waited)
 
     def run(self, job: _Job) -> None:
         """Run ``job`` in the worker, unless an earlier update of this queue raised; what it raises is kept."""
@@ -86,10 +88,12 @@ class _ThreadQueue(_Queue):
         if self.failure is not None:
             self.failure.discarded += job.number is not None
             return
+        started = time.thread_time()  # this thread's CPU time: not the time it waited for the interpreter
         before = _host_states() if job.number is not None else None
-        inputs, kept = None, []
+        inputs, guard = None, None
+        kept: list[warnings.WarningMessage] = []
         try:
-            with _as_at_the_call(job.state) as kept:
+            with _as_at_the_call(job.state) as (kept, guard):
                 inputs = job.run()
         except BaseException as error:  # `SystemExit`, pytest's `Failed` too: the worker thread must go on
             self.failure = _Failure(error, job.number)
@@ -100,6 +104,8 @@ class _ThreadQueue(_Queue):
             if drawn and inputs is not None:
                 args, kwargs = apply_to_collection(inputs, Tensor, Tensor.clone)  # its own: the Metric may keep them
                 self.suspect = _Suspect(job.obj, job.number, args, kwargs, drawn)
+        if job.number is not None and guard is not None and self.failure is None:  # its ops' time, and the Python's
+            self.payoff.ran(guard.ops_s, max(0.0, time.thread_time() - started - guard.ops_s))
 
     def settle(self) -> None:
         self._wait()
@@ -151,10 +157,14 @@ class _ThreadQueue(_Queue):
 
 
 @contextmanager
-def _as_at_the_call(state: _CallerState) -> Iterator[list[warnings.WarningMessage]]:
-    """What an update runs under in the worker: its caller's torch state and the guard; its warnings kept (yielded)."""
-    with state.applied(), _WorkerGuard(state.default_dtype), _kept_warnings() as kept:
-        yield kept
+def _as_at_the_call(state: _CallerState) -> Iterator[tuple[list[warnings.WarningMessage], _WorkerGuard]]:
+    """What an update runs under in the worker: its caller's torch state and the guard; its warnings kept.
+
+    Yields the warnings' list and the guard (which times the update's torch ops).
+    """
+    guard = _WorkerGuard(state.default_dtype)
+    with state.applied(), guard, _kept_warnings() as kept:
+        yield kept, guard
 
 
 def _run_landed(update: Callable, started: tuple[tuple, dict]) -> tuple[tuple, dict]:
