@@ -156,6 +156,7 @@ def test_on_a_machine_without_cuda_the_cpu_checks_pass_and_the_cuda_checks_skip_
     best = pays["data"]["best"]
     assert pays["detail"].endswith(f"(medians of {_offload_pays.ROUNDS} rounds of {_offload_pays.STEPS} steps)")
     assert ("does not pay" in pays["detail"]) == (best == "inline") and best in pays["data"]["ratios"]
+    assert f" with {pays['data']['torch_threads']} torch thread(s), over the step without (" in pays["detail"]
     per_update = pays["data"]["per_update_s"]  # as each offloaded Metric measures it to warn that it does not pay
     assert set(per_update) == {"thread", "process"}
     for worker, (handoff, saved, held) in per_update.items():

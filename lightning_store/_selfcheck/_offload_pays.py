@@ -95,7 +95,8 @@ def check_offload_pays(context: Context) -> Outcome:
     )
     detail = (
         f"a step of {OPS} small ops (mostly Python, as a host launching a GPU's kernels) with BinaryAUROC"
-        f"(thresholds=200) of {PREDICTIONS} predictions updated in it, over the step without ({step * 1e3:.2f} ms):"
+        f"(thresholds=200) of {PREDICTIONS} predictions updated in it, with {torch.get_num_threads()} torch"
+        f" thread(s), over the step without ({step * 1e3:.2f} ms):"
         f" inline {ratios['inline']:.2f}, worker thread {ratios['thread']:.2f}, worker process"
         f" {ratios['process']:.2f}; {verdict}; per update, {_payoff_figures(payoffs)};"
         f" a worker process started in {start_s:.1f} s and held"
@@ -107,6 +108,7 @@ def check_offload_pays(context: Context) -> Outcome:
         "ratios": ratios,
         "step_s": times,
         "ops": OPS,
+        "torch_threads": torch.get_num_threads(),
         "steps": STEPS,
         "best": best,
         "per_update_s": payoffs,
