@@ -69,16 +69,17 @@ def test_a_cheap_metric_offloaded_warns_at_the_callers_line_though_never_logged(
 
 
 class Costly(SumMetric):
-    def update(self, value: Tensor) -> None:
-        for _ in range(6):  # milliseconds of torch ops, against a hand-off of a fraction of one
-            value = value @ value / value.shape[0]
-        super().update(value.sum())
+    def update(self, value: Tensor) -> None:  # milliseconds of a few torch ops, from an input of a few hundred floats
+        matrix = torch.outer(value, value)
+        for _ in range(6):
+            matrix = matrix @ matrix / matrix.shape[0]
+        super().update(matrix.sum())
 
 
 @pytest.mark.parametrize("worker", ["thread", "process"])
 def test_a_metric_whose_update_takes_longer_than_its_handoff_says_nothing(worker):
     metric, plain = offload_to_cpu(Costly(), worker=worker), Costly()
-    values = torch.rand(WARM_UP + 2 * WINDOW, 300, 300, generator=torch.Generator().manual_seed(0))
+    values = torch.rand(WARM_UP + 2 * WINDOW, 400, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*offloading it costs the step", category=StoreOnCPUWarning)
         for value in values:
