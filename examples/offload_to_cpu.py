@@ -1,7 +1,7 @@
 """A fit whose Metrics run on the CPU, off the training step: ``offload_to_cpu``, against the same Metrics inline.
 
 A heavy Metric (a 50-threshold AUROC and a 100-class confusion matrix over every prediction of a step) is updated
-in ``training_step``; offloaded, its update runs in a background thread while the step goes on. It is sized as
+in ``training_step``; offloaded to a worker thread, its update runs while the step goes on. It is sized as
 the case offloading is for: the update (about 20 ms here, mostly torch ops) is shorter than the step (about 40
 ms), and far longer than handing it to the worker (under 1 ms). The values are the plain Metric's, bit for bit;
 the storage report, taken during the fit, shows each offloaded Metric with its pending updates. Each epoch is
@@ -45,7 +45,9 @@ class LitClassifier(pl.LightningModule):
             {"auroc": MulticlassAUROC(CLASSES, thresholds=50), "confmat": MulticlassConfusionMatrix(CLASSES)}
         )
         if offload:
-            offload_to_cpu(self.scores)  # the same Metrics, configured in place
+            # the same Metrics, configured in place. A model on the CPU: a worker thread, which starts at once (a
+            # worker process, the default, is for a step that runs Python, and its start would fill the first epoch)
+            offload_to_cpu(self.scores, worker="thread")
         self.rows: list = []
 
     def training_step(self, batch, batch_idx):

@@ -129,8 +129,8 @@ def test_the_flag_configures_a_loaded_module_again_at_fit_start(tmp_path, monkey
 def _configured_ones() -> dict[str, object]:
     return {
         "store_states_on_cpu": store_states_on_cpu(BinaryAUROC(thresholds=None, compute_on_cpu=True)),
-        "offload_to_cpu": offload_to_cpu(BinaryAUROC(thresholds=None)),
-        "a collection offloaded": offload_to_cpu(MetricCollection([BinaryAUROC(thresholds=None)])),
+        "offload_to_cpu": offload_to_cpu(BinaryAUROC(thresholds=None), worker="thread"),
+        "a collection offloaded": offload_to_cpu(MetricCollection([BinaryAUROC(thresholds=None)]), worker="thread"),
     }
 
 

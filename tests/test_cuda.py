@@ -286,7 +286,7 @@ class _OffloadedAUROCModel(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.layer = torch.nn.Linear(3, 1)
-        self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200))
+        self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200), worker="thread")
         self.inputs = []  # one list per epoch: each step's (preds, target), copied to the CPU
         self.model_devices, self.state_devices, self.metric_devices = set(), set(), set()
 
@@ -349,7 +349,7 @@ def _offload_metrics():
 
 
 def test_an_offloaded_metrics_update_makes_no_host_sync_after_the_first():
-    metrics = {name: offload_to_cpu(metric) for name, metric in _offload_metrics().items()}
+    metrics = {name: offload_to_cpu(metric, worker="thread") for name, metric in _offload_metrics().items()}
     batches = _offload_batches(30)
     for step, batch in enumerate(batches):
         for name, metric in metrics.items():
@@ -370,7 +370,7 @@ def test_an_offloaded_metrics_update_makes_no_host_sync_after_the_first():
 
 def test_an_input_changed_in_place_right_after_an_offloaded_update_is_taken_as_it_was():
     """``CatMetric`` keeps each input as its list-state element: a change that reached the copy would show."""
-    metric, plain = offload_to_cpu(torchmetrics.CatMetric()), torchmetrics.CatMetric()
+    metric, plain = offload_to_cpu(torchmetrics.CatMetric(), worker="thread"), torchmetrics.CatMetric()
     generator = torch.Generator("cuda").manual_seed(0)
     for step in range(50):
         x = torch.randn(2**20, device="cuda", generator=generator)  # 4 MiB: a copy long enough to race
@@ -396,7 +396,7 @@ def test_an_input_changed_in_place_right_after_an_offloaded_update_is_taken_as_i
 def test_cuda_on_an_offloaded_metric_keeps_its_states_on_the_cpu(make, fed):
     (batch,) = _offload_batches(1)
     inputs = batch[fed]
-    metric, plain = offload_to_cpu(make()), make()
+    metric, plain = offload_to_cpu(make(), worker="thread"), make()
     metric.update(*inputs)  # a state to move
     assert metric.cuda() is metric
     metric.to("cuda")
@@ -429,8 +429,8 @@ def test_an_offloaded_update_under_cuda_autocast_gives_the_plain_cpu_value():
     """CUDA's autocast is carried into the worker, where it leaves CPU ops as they are: as in the plain CPU run."""
     generator = torch.Generator("cuda").manual_seed(0)
     batches = [torch.randn(64, 4, device="cuda", generator=generator) for _ in range(3)]
-    metric, plain = offload_to_cpu(Gram()), Gram()
-    both = offload_to_cpu(Gram()), Gram()  # CUDA's and the CPU's autocast at once
+    metric, plain = offload_to_cpu(Gram(), worker="thread"), Gram()
+    both = offload_to_cpu(Gram(), worker="thread"), Gram()  # CUDA's and the CPU's autocast at once
     for x in batches:
         with torch.autocast("cuda", dtype=torch.float16):
             metric.update(x)
@@ -455,7 +455,7 @@ def test_an_offloaded_update_under_cuda_autocast_gives_the_plain_cpu_value():
 )
 def test_an_input_on_the_gpu_lands_with_the_layout_tensor_cpu_gives(make):
     x = make(torch.randn(16, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(0)))
-    metric, plain = offload_to_cpu(SeesLayout()), SeesLayout()
+    metric, plain = offload_to_cpu(SeesLayout(), worker="thread"), SeesLayout()
     for _ in range(2):  # the second copy goes through a pinned buffer the first handed back
         metric.update(x)
         plain.update(x.cpu())
@@ -491,7 +491,7 @@ def test_a_draw_from_the_cuda_generator_is_refused():
         def update(self, value):
             super().update(value + torch.rand((), device="cuda").cpu())
 
-    metric = offload_to_cpu(DrawsOnCUDA())
+    metric = offload_to_cpu(DrawsOnCUDA(), worker="thread")
     state = torch.cuda.get_rng_state()
     metric.update(torch.ones(3, device="cuda"))
     with pytest.raises(RuntimeError, match=r"from torch's global CUDA generator \(aten\.rand\.default\)"):

@@ -274,7 +274,7 @@ def test_a_class_from_python_c_is_refused_at_once_with_the_thread_worker_as_the_
         offload_to_cpu(Mine(), worker="process")
     except TypeError as error:
         print(error)
-    metric = offload_to_cpu(Mine())  # the thread worker works here
+    metric = offload_to_cpu(Mine(), worker="thread")  # the thread worker works here
     metric.update(torch.ones(2))
     print(metric.compute().item())
     """)
@@ -402,25 +402,51 @@ def test_the_worker_process_ends_once_no_offloaded_object_is_left(run):
     assert out == ["2.0", "False None", "3.0"]
 
 
-def test_a_script_without_the_main_guard_is_told_so_and_only_then(tmp_path):
+def test_a_script_without_the_main_guard_is_told_so_before_anything_runs_again(tmp_path):
     script = tmp_path / "unguarded.py"
+    text = PRELUDE + textwrap.dedent("""
+        metric = offload_to_cpu(SumMetric(), worker="process")
+        try:
+            metric.update(torch.ones(2))
+        except RuntimeError as error:
+            print(error)
+        print(_process_worker().process)
+        metric.update(torch.ones(3))  # raises the same, uncaught
+        """)
+    script.write_text(text)
+    out = _bounded([sys.executable, str(script)], cwd=tmp_path)
+    line = text.splitlines().index("try:") + 1
+    lines = out.stdout.splitlines()
+    assert lines[0] == (
+        "lightning-store's offload worker process cannot start: it starts as DataLoader workers do with the `spawn`"
+        f" method, which runs this program's `__main__` module again, and the statement at line {line} of {script},"
+        " which led to this update, is not under `if __name__ == '__main__':`: the worker process would run it"
+        " again. HINT: put the script's code under `if __name__ == '__main__':`, or pass worker='thread' to"
+        " offload_to_cpu."
+    ), out.stderr[-3000:]
+    assert lines[1] == "None"  # no worker process was started: nothing of the script ran again
+    last = len(text.rstrip().splitlines())  # the update after it, uncaught, names its own statement
+    assert out.returncode == 1
+    assert f"RuntimeError: {lines[0].replace(f'line {line} ', f'line {last} ')}" in out.stderr
+
+
+def test_a_script_whose_code_runs_under_the_main_guard_starts_its_worker_process(tmp_path):
+    script = tmp_path / "guarded.py"
     script.write_text(
         PRELUDE
         + textwrap.dedent("""
-        metric = offload_to_cpu(SumMetric(), worker="process")
-        metric.update(torch.ones(2))
-        try:
-            metric.compute()
-        except RuntimeError as error:
-            print(error)
+        def main():
+            metric = offload_to_cpu(SumMetric(), worker="process")
+            metric.update(torch.ones(2))
+            print(metric.compute().item())
+
+
+        if __name__ == "__main__":
+            main()
         """)
     )
     out = _bounded([sys.executable, str(script)], cwd=tmp_path)
-    assert out.stdout.startswith(
-        "SumMetric: lightning-store's offload worker process ended before it started (exit code 1). It starts as"
-        " DataLoader workers do with the `spawn` method, importing this program's `__main__` module again."
-    ), out.stderr[-3000:]
-    assert "HINT: a script that offloads a Metric guards its code with `if __name__ == '__main__':`" in out.stdout
+    assert out.stdout.splitlines() == ["2.0"], out.stderr[-3000:]
 
 
 def test_the_worker_process_ends_soon_after_its_parent_though_another_process_keeps_the_pipe_open(run):
@@ -452,7 +478,7 @@ def test_a_wait_for_a_worker_thread_that_ended_raises_rather_than_hangs(run):
         from lightning_store.metrics._offload.thread.worker import _WorkerThread
         _WorkerThread.liveness_s = 0.2
         _WorkerThread._loop = lambda self: None  # a thread that ends at once, as if by a bug
-        metric = offload_to_cpu(SumMetric())
+        metric = offload_to_cpu(SumMetric(), worker="thread")
         metric.update(torch.ones(2))
         try:
             metric.compute()

@@ -45,11 +45,13 @@ class _WaitsFor(SumMetric):
 
 
 def test_a_draw_after_the_first_update_is_refused_before_it_moves_the_generator():
-    metric = offload_to_cpu(Subsamples())
+    metric = offload_to_cpu(Subsamples(), worker="thread")
     torch.manual_seed(0)
     state = torch.get_rng_state()
     gate = threading.Event()
-    offload_to_cpu(_WaitsFor(gate)).update(torch.tensor(0.0))  # every update below stays queued until the gate opens
+    offload_to_cpu(_WaitsFor(gate), worker="thread").update(
+        torch.tensor(0.0)
+    )  # every update below stays queued until the gate opens
     for batch in _batches():
         metric.update(batch)
     gate.set()
@@ -70,7 +72,7 @@ def test_a_draw_after_the_first_update_is_refused_before_it_moves_the_generator(
 
 def test_a_metric_with_a_generator_of_its_own_gives_the_plain_values():
     plain = Subsamples(torch.Generator().manual_seed(1))
-    offloaded = offload_to_cpu(Subsamples(torch.Generator().manual_seed(1)))
+    offloaded = offload_to_cpu(Subsamples(torch.Generator().manual_seed(1)), worker="thread")
     for batch in _batches():
         plain.update(batch)
         offloaded.update(batch)
@@ -115,7 +117,7 @@ DRAWS = {  # the op, and the aten op refused (a pattern)
 
 @pytest.mark.parametrize("op", DRAWS_NOTHING)
 def test_an_op_that_draws_nothing_runs(op):
-    plain, offloaded = DrawsWith(DRAWS_NOTHING[op]), offload_to_cpu(DrawsWith(DRAWS_NOTHING[op]))
+    plain, offloaded = DrawsWith(DRAWS_NOTHING[op]), offload_to_cpu(DrawsWith(DRAWS_NOTHING[op]), worker="thread")
     x = torch.linspace(-1, 1, 6)
     for m in (plain, offloaded):
         m.update(x)
@@ -125,7 +127,7 @@ def test_an_op_that_draws_nothing_runs(op):
 @pytest.mark.parametrize("op", DRAWS)
 def test_an_op_that_draws_from_a_global_generator_is_refused(op):
     draw, name = DRAWS[op]
-    metric = offload_to_cpu(DrawsWith(draw))
+    metric = offload_to_cpu(DrawsWith(draw), worker="thread")
     state = torch.get_rng_state()
     metric.update(torch.linspace(-1, 1, 6))
     with pytest.raises(RuntimeError, match=f"from torch's global CPU generator \\(({name})\\), and was stopped"):
@@ -141,7 +143,7 @@ def test_an_op_run_under_another_default_dtype_is_refused():
             gate.wait()
             super().update(x + torch.tensor(1.0))  # a tensor of the default dtype
 
-    metric = offload_to_cpu(Waits())
+    metric = offload_to_cpu(Waits(), worker="thread")
     metric.update(torch.ones(2))  # called under float32
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # as Lightning's "64-true" precision around a step
@@ -190,7 +192,9 @@ def _fit(metric, quiet_trainer_kwargs):
 def test_a_fit_keeps_the_models_random_numbers(quiet_trainer_kwargs):
     generator = torch.Generator()
     plain, _ = _fit(Subsamples(generator.manual_seed(2)), quiet_trainer_kwargs)
-    offloaded, trainer = _fit(offload_to_cpu(Subsamples(generator.manual_seed(2))), quiet_trainer_kwargs)
+    offloaded, trainer = _fit(
+        offload_to_cpu(Subsamples(generator.manual_seed(2)), worker="thread"), quiet_trainer_kwargs
+    )
     assert all(torch.equal(a, b) for a, b in zip(plain.masks, offloaded.masks, strict=True))
     assert torch.equal(offloaded.layer.weight, plain.layer.weight)
     assert torch.equal(trainer.callback_metrics["sum"], plain.trainer.callback_metrics["sum"])
@@ -198,4 +202,4 @@ def test_a_fit_keeps_the_models_random_numbers(quiet_trainer_kwargs):
 
 def test_a_fit_with_a_metric_drawing_from_the_global_generator_fails_with_the_hint(quiet_trainer_kwargs):
     with pytest.raises(RuntimeError, match=r"Subsamples.update raised .* torch's global CPU generator .* HINT: keep"):
-        _fit(offload_to_cpu(Subsamples()), quiet_trainer_kwargs)
+        _fit(offload_to_cpu(Subsamples(), worker="thread"), quiet_trainer_kwargs)

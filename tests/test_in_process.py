@@ -239,14 +239,24 @@ class Unpicklable(SumMetric):
         self.transform = lambda x: x
 
 
+def test_the_default_worker_is_a_process_and_gives_the_plain_values():
+    offloaded, plain = offload_to_cpu(MeanMetric()), MeanMetric()
+    assert _queue_of(offloaded).worker == "process"
+    for value in torch.linspace(-1.0, 3.0, 20).split(3):
+        offloaded.update(value)
+        plain.update(value)
+    assert torch.equal(offloaded.compute(), plain.compute())
+    assert _process_worker().process is not None and _process_worker().process.is_alive()
+
+
 def test_what_a_worker_process_cannot_take_is_refused_with_a_hint():
     with pytest.raises(
         TypeError, match=r"^offload_to_cpu\(worker='process'\) got a Unpicklable that cannot be pickled"
     ):
         offload_to_cpu(Unpicklable(), worker="process")
-    with pytest.raises(ValueError, match=r"^Expected worker to be 'thread' or 'process', got 'threads'\. HINT"):
+    with pytest.raises(ValueError, match=r"^Expected worker to be 'process' or 'thread', got 'threads'\. HINT"):
         offload_to_cpu(SumMetric(), worker="threads")  # type: ignore[arg-type]
-    metric = offload_to_cpu(SumMetric())
+    metric = offload_to_cpu(SumMetric(), worker="thread")
     with pytest.raises(ValueError, match=r"offloaded already with worker='thread'.*HINT: pass worker='thread'"):
         offload_to_cpu(metric, worker="process")
 

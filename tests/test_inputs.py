@@ -34,7 +34,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_metric_sees_the_layout_the_caller_passed(layout):
-    plain, offloaded = SeesLayout(), offload_to_cpu(SeesLayout())
+    plain, offloaded = SeesLayout(), offload_to_cpu(SeesLayout(), worker="thread")
     for _ in range(2):  # the second copy goes through a buffer the first handed back
         x = LAYOUTS[layout]()
         plain.update(x)
@@ -96,7 +96,7 @@ def test_a_normal_tensor_passed_in_inference_mode_reaches_the_update_as_one(shap
 
 @pytest.mark.parametrize(("make", "x"), [(MeanMetric, _randn(3, 4000).T), (SumMetric, _randn(33, 500).T)])
 def test_a_reduction_over_a_view_adds_as_the_plain_one(make, x):
-    plain, offloaded = make(), offload_to_cpu(make())
+    plain, offloaded = make(), offload_to_cpu(make(), worker="thread")
     plain.update(x)
     offloaded.update(x)
     assert torch.equal(offloaded.compute(), plain.compute())
@@ -114,7 +114,7 @@ def test_an_input_the_plain_metric_rejects_for_its_layout_fails_every_update():
     x = _randn(3, 50).T
     with pytest.raises(RuntimeError, match="view size is not compatible") as plain_error:
         Flattens().update(x)
-    metric = offload_to_cpu(Flattens())
+    metric = offload_to_cpu(Flattens(), worker="thread")
     for number in (1, 2):
         metric.update(x)
         with pytest.raises(RuntimeError, match=f"at update #{number} since offload_to_cpu") as err:
@@ -128,7 +128,7 @@ def test_inputs_nested_in_collections_keep_their_layout():
             for item in items:
                 super().update(item["x"])
 
-    plain, offloaded = Nested(), offload_to_cpu(Nested())
+    plain, offloaded = Nested(), offload_to_cpu(Nested(), worker="thread")
     items = [{"x": LAYOUTS["transposed"]()}, {"x": LAYOUTS["every other column"]()}]
     plain.update(items)
     offloaded.update(items)
@@ -137,7 +137,7 @@ def test_inputs_nested_in_collections_keep_their_layout():
 
 def test_cpu_copies_go_through_buffers_reused_and_kept_for_the_latest_lengths_only(monkeypatch):
     monkeypatch.setattr(_inputs, "_host_pools", OrderedDict())  # none kept from other tests
-    metric, plain = offload_to_cpu(CatMetric()), CatMetric()
+    metric, plain = offload_to_cpu(CatMetric(), worker="thread"), CatMetric()
     size = _inputs._SMALL_BYTES // 4 + 1  # a small tensor is copied into memory of its own instead
     x = torch.arange(float(size))
     offset = x.data_ptr() % 64 // 4
@@ -159,7 +159,7 @@ def test_cpu_copies_go_through_buffers_reused_and_kept_for_the_latest_lengths_on
 
 
 def test_a_buffer_made_in_inference_mode_serves_a_copy_outside_it():
-    metric, plain = offload_to_cpu(CatMetric()), CatMetric()
+    metric, plain = offload_to_cpu(CatMetric(), worker="thread"), CatMetric()
     shape = (7, 3)  # a shape no other test uses: its buffer is made below, in inference mode
     with torch.inference_mode():  # Lightning's validation loop
         x = torch.rand(shape)

@@ -23,7 +23,7 @@ def _warnings_of(call) -> list[warnings.WarningMessage]:
 @pytest.mark.parametrize("make", [lambda: CatMetric(nan_strategy="warn"), lambda: MeanMetric(nan_strategy="warn")])
 def test_a_warning_of_an_update_is_given_once_at_the_next_call_with_its_category_and_message(make):
     plain = _warnings_of(lambda: make().update(NAN))
-    metric = offload_to_cpu(make())
+    metric = offload_to_cpu(make(), worker="thread")
     assert _warnings_of(lambda: metric.update(NAN)) == []  # not given in the worker...
     _thread_worker().quiesce()
     given = _warnings_of(lambda: metric.compute())  # ...but at the next call, once
@@ -39,7 +39,7 @@ def test_a_warning_of_an_update_is_given_once_at_the_next_call_with_its_category
 
 
 def test_pytest_warns_sees_it_around_the_update_and_a_read():
-    metric = offload_to_cpu(CatMetric(nan_strategy="warn"))
+    metric = offload_to_cpu(CatMetric(nan_strategy="warn"), worker="thread")
     with pytest.warns(UserWarning, match=r"`nan` values in tensor.*given by CatMetric.update #1"):
         metric.update(NAN)
         metric.compute()
@@ -50,7 +50,7 @@ def test_a_warning_turned_into_an_error_fails_the_update_as_the_plain_one():
         warnings.simplefilter("error", UserWarning)
         with pytest.raises(UserWarning, match="`nan` values in tensor") as plain_error:
             CatMetric(nan_strategy="warn").update(NAN)
-        metric = offload_to_cpu(CatMetric(nan_strategy="warn"))
+        metric = offload_to_cpu(CatMetric(nan_strategy="warn"), worker="thread")
         metric.update(NAN)
         _thread_worker().quiesce()
     with pytest.raises(UserWarning, match=r"^CatMetric.update raised in lightning-store's offload worker") as err:
@@ -59,7 +59,7 @@ def test_a_warning_turned_into_an_error_fails_the_update_as_the_plain_one():
 
 
 def test_a_warning_of_another_thread_is_shown_as_it_would_be():
-    metric = offload_to_cpu(MeanMetric())
+    metric = offload_to_cpu(MeanMetric(), worker="thread")
     metric.update(torch.ones(1))
     metric.compute()  # the worker runs: warnings go through lightning-store's route
     caught = _warnings_of(lambda: _in_thread(lambda: warnings.warn("from another thread", UserWarning, stacklevel=1)))

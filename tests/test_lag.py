@@ -28,7 +28,7 @@ class Slower(Slow):
 
 
 def test_a_worker_that_falls_behind_is_said_once_at_the_callers_line():
-    metric, plain = offload_to_cpu(Slow(), max_pending=2), SumMetric()
+    metric, plain = offload_to_cpu(Slow(), max_pending=2, worker="thread"), SumMetric()
     with pytest.warns(StoreOnCPUWarning, match=r"^Slow: its offload worker falls behind: `update` waited") as caught:
         for _ in range(3 * WINDOW):
             metric.update(torch.ones(1))  # each call comes faster than the worker runs one
@@ -43,7 +43,7 @@ def test_a_worker_that_falls_behind_is_said_once_at_the_callers_line():
 
 
 def test_a_worker_that_keeps_up_says_nothing():
-    metric = offload_to_cpu(SumMetric(), max_pending=2)
+    metric = offload_to_cpu(SumMetric(), max_pending=2, worker="thread")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*falls behind", category=StoreOnCPUWarning)  # the lag's
         for _ in range(2 * WINDOW):
@@ -70,7 +70,7 @@ class SlowMetricModel(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.layer = torch.nn.Linear(2, 1)
-        self.slow = offload_to_cpu(Slower(), max_pending=1)
+        self.slow = offload_to_cpu(Slower(), max_pending=1, worker="thread")
         self.rows: list = []
 
     def training_step(self, batch, batch_idx):

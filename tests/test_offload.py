@@ -109,7 +109,7 @@ def test_every_read_sees_every_earlier_update(read):
     if read == "metric_state" and not HAS_METRIC_STATE:
         pytest.skip("torchmetrics < 1.1 has no metric_state: the plain Metric has no such read")
     batches = _batches()
-    metric = _queued(offload_to_cpu(Gated()), batches)
+    metric = _queued(offload_to_cpu(Gated(), worker="thread"), batches)
     got = READS[read](metric)
     assert _queue_of(metric).pending == 0
     assert_same_values(got, READS[read](_plain(batches)))
@@ -118,8 +118,8 @@ def test_every_read_sees_every_earlier_update(read):
 @NEEDS_MERGE_STATE
 def test_merge_state_sees_the_updates_of_both():
     batches = _batches()
-    metric = _queued(offload_to_cpu(Gated()), batches)
-    other = offload_to_cpu(Gated())
+    metric = _queued(offload_to_cpu(Gated(), worker="thread"), batches)
+    other = offload_to_cpu(Gated(), worker="thread")
     other.update(torch.full((5,), 3.0))
     metric.merge_state(other)
     plain = _plain(batches)
@@ -133,7 +133,7 @@ def test_merge_state_sees_the_updates_of_both():
 
 
 def test_update_takes_the_inputs_as_they_are_at_the_call():
-    metric, plain = offload_to_cpu(CatMetric()), CatMetric()
+    metric, plain = offload_to_cpu(CatMetric(), worker="thread"), CatMetric()
     x = torch.arange(5.0)
     metric.update(x)
     plain.update(x.clone())
@@ -183,10 +183,10 @@ def test_update_takes_lists_and_dicts_as_they_are_at_the_call(worker):
 
 
 def test_update_returns_at_once_and_the_worker_runs_the_updates_in_order():
-    metric = offload_to_cpu(CatMetric(), max_pending=64)
+    metric = offload_to_cpu(CatMetric(), max_pending=64, worker="thread")
     metric.update(torch.tensor([0.0]))
     metric.compute()
-    gated = offload_to_cpu(Gated(), max_pending=64)
+    gated = offload_to_cpu(Gated(), max_pending=64, worker="thread")
     gated.update(torch.ones(1))
     gated.compute()
     GATE.clear()
@@ -199,7 +199,7 @@ def test_update_returns_at_once_and_the_worker_runs_the_updates_in_order():
 
 
 def test_every_state_lives_on_the_cpu_whatever_the_module_does():
-    metric, plain = offload_to_cpu(BinaryAUROC(thresholds=None)), BinaryAUROC(thresholds=None)
+    metric, plain = offload_to_cpu(BinaryAUROC(thresholds=None), worker="thread"), BinaryAUROC(thresholds=None)
     preds, target = binary(0, 50)
     metric.update(preds, target)
     plain.update(preds, target)
@@ -214,7 +214,10 @@ def test_every_state_lives_on_the_cpu_whatever_the_module_does():
 
 
 def test_dtype_conversions_follow_torchmetrics():
-    metric, plain = offload_to_cpu(MulticlassConfusionMatrix(num_classes=3)), MulticlassConfusionMatrix(num_classes=3)
+    metric, plain = (
+        offload_to_cpu(MulticlassConfusionMatrix(num_classes=3), worker="thread"),
+        MulticlassConfusionMatrix(num_classes=3),
+    )
     for m in (metric, plain):
         m.update(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 2, 2, 1]))
     for convert in (lambda m: m.to(torch.float64), lambda m: m.half(), lambda m: m.set_dtype(torch.float16)):
@@ -258,7 +261,7 @@ def test_a_collection_with_compute_groups_updates_once_and_gives_the_plain_value
     def make():
         return MetricCollection([BinaryAccuracy(), BinaryPrecision(), BinaryRecall()])
 
-    offloaded, plain = offload_to_cpu(make()), make()
+    offloaded, plain = offload_to_cpu(make(), worker="thread"), make()
     for seed in range(4):
         preds, target = binary(seed, 20)
         assert_same_values(offloaded(preds, target), plain(preds, target))
@@ -301,7 +304,7 @@ def _grouped(pair: type) -> MetricCollection:
 
 @pytest.mark.parametrize("read", ["keys", "items", "values"])
 def test_a_collections_metrics_read_while_updates_are_queued_see_them(read):
-    offloaded, plain = offload_to_cpu(_grouped(GatedPair)), _grouped(Pair)
+    offloaded, plain = offload_to_cpu(_grouped(GatedPair), worker="thread"), _grouped(Pair)
     for epoch in range(2):  # reset between epochs: a state still shared by reference would leak into the next
         for step in range(2):
             preds, target = _three_classes(10 * epoch + step)
@@ -326,7 +329,7 @@ def test_a_collections_metrics_read_while_updates_are_queued_see_them(read):
 
 
 def test_a_tracker_offloads_the_copies_it_makes():
-    tracker = offload_to_cpu(MetricTracker(MeanMetric(), maximize=True))
+    tracker = offload_to_cpu(MetricTracker(MeanMetric(), maximize=True), worker="thread")
     plain = MetricTracker(MeanMetric(), maximize=True)
     for epoch in range(3):
         for t in (tracker, plain):
@@ -367,7 +370,7 @@ class FailsOwnWay(Fails):
 
 
 def test_an_update_that_raises_in_the_worker_raises_at_the_next_call_with_its_type_name_and_number():
-    metric = offload_to_cpu(Fails())
+    metric = offload_to_cpu(Fails(), worker="thread")
     metric.update(torch.ones(2))
     GATE.clear()  # the worker holds at the failing update: the two after it are queued before it raises
     for x in (-torch.ones(2), torch.ones(2), torch.ones(2)):
@@ -395,7 +398,7 @@ def test_an_update_that_raises_in_the_worker_raises_at_the_next_call_with_its_ty
 
 @pytest.mark.parametrize("call", ["update", "reset", "a state attribute"])
 def test_the_error_raises_from_any_next_call(call):
-    metric = offload_to_cpu(Fails())
+    metric = offload_to_cpu(Fails(), worker="thread")
     metric.update(torch.ones(2))
     metric.update(-torch.ones(2))
     _thread_worker().quiesce()  # it has raised in the worker
@@ -409,7 +412,7 @@ def test_the_error_raises_from_any_next_call(call):
 
 
 def test_an_error_of_a_class_with_other_arguments_raises_as_it_was():
-    metric = offload_to_cpu(FailsOwnWay())
+    metric = offload_to_cpu(FailsOwnWay(), worker="thread")
     metric.update(torch.ones(2))
     metric.update(torch.ones(2))
     with pytest.raises(_OwnError) as err:
@@ -418,7 +421,7 @@ def test_an_error_of_a_class_with_other_arguments_raises_as_it_was():
 
 
 def test_the_first_update_raises_at_the_next_call_as_any_other():
-    metric, plain = offload_to_cpu(Fails()), Fails()
+    metric, plain = offload_to_cpu(Fails(), worker="thread"), Fails()
     metric.update(-torch.ones(2))  # queued: it raises in the worker
     with pytest.raises(ValueError, match=r"^Expected non-negative values$"):
         plain.update(-torch.ones(2))
@@ -431,7 +434,7 @@ def test_the_first_update_raises_at_the_next_call_as_any_other():
 
 
 def test_backpressure_bounds_the_pending_updates_and_counts_the_wait():
-    metric = offload_to_cpu(Gated(), max_pending=2)
+    metric = offload_to_cpu(Gated(), max_pending=2, worker="thread")
     metric.update(torch.ones(1))
     metric.compute()
     GATE.clear()
@@ -458,46 +461,46 @@ def test_backpressure_bounds_the_pending_updates_and_counts_the_wait():
 )
 def test_max_pending_is_validated(value, error, message):
     with pytest.raises(error, match=f"^{message.replace('(', '[(]').replace(')', '[)]')} HINT: pass a number"):
-        offload_to_cpu(MeanMetric(), max_pending=value)
+        offload_to_cpu(MeanMetric(), max_pending=value, worker="thread")
 
 
 def test_calling_it_again_sets_max_pending():
-    metric = offload_to_cpu(MeanMetric())
-    assert offload_to_cpu(metric, max_pending=3) is metric and _queue_of(metric).max_pending == 3
+    metric = offload_to_cpu(MeanMetric(), worker="thread")
+    assert offload_to_cpu(metric, max_pending=3, worker="thread") is metric and _queue_of(metric).max_pending == 3
 
 
 def test_bootstrapper_is_refused_at_once():
     with pytest.raises(ValueError, match=r"^offload_to_cpu\(\) got a BootStrapper: its update draws random numbers"):
-        offload_to_cpu(BootStrapper(MeanMetric()))
+        offload_to_cpu(BootStrapper(MeanMetric()), worker="thread")
     with pytest.raises(ValueError, match=r"got a BootStrapper \(inside the MetricCollection given\)"):
-        offload_to_cpu(MetricCollection({"boot": BootStrapper(MeanMetric())}))
+        offload_to_cpu(MetricCollection({"boot": BootStrapper(MeanMetric())}), worker="thread")
 
 
 def test_what_cannot_be_offloaded_is_refused_with_a_hint():
     with pytest.raises(TypeError, match=r"^offload_to_cpu\(\) got the class BinaryAUROC itself.*HINT: call the class"):
-        offload_to_cpu(BinaryAUROC)
+        offload_to_cpu(BinaryAUROC, worker="thread")
     with pytest.raises(
         TypeError, match=r"^offload_to_cpu\(\) takes a torchmetrics Metric.*got torch.nn.modules.linear.Linear. HINT"
     ):
-        offload_to_cpu(torch.nn.Linear(1, 1))
+        offload_to_cpu(torch.nn.Linear(1, 1), worker="thread")
     with pytest.raises(ValueError, match=r"given to store_states_on_cpu.*HINT: drop store_states_on_cpu"):
-        offload_to_cpu(store_states_on_cpu(BinaryAUROC(thresholds=None)))
+        offload_to_cpu(store_states_on_cpu(BinaryAUROC(thresholds=None)), worker="thread")
     with pytest.raises(ValueError, match=r"with dist_sync_fn=.*HINT: drop dist_sync_fn"):
-        offload_to_cpu(MeanMetric(dist_sync_fn=lambda t, group=None: [t]))
-    inner = offload_to_cpu(MeanMetric())
+        offload_to_cpu(MeanMetric(dist_sync_fn=lambda t, group=None: [t]), worker="thread")
+    inner = offload_to_cpu(MeanMetric(), worker="thread")
     with pytest.raises(ValueError, match=r"holding a MeanMetric offloaded on its own.*HINT: offload only"):
-        offload_to_cpu(MetricCollection({"mean": inner}))
+        offload_to_cpu(MetricCollection({"mean": inner}), worker="thread")
 
 
 def test_store_states_on_cpu_leaves_an_offloaded_metric_as_it_is():
-    metric = offload_to_cpu(BinaryAUROC(thresholds=None))
+    metric = offload_to_cpu(BinaryAUROC(thresholds=None), worker="thread")
     assert store_states_on_cpu(metric) is metric
     assert type(metric).__mro__[1].__name__ == "_OffloadedMetric"
     assert metric.dist_sync_fn is gather_on_device
 
 
 def test_one_worker_thread_runs_every_offloaded_metric():
-    metrics = [offload_to_cpu(MeanMetric()) for _ in range(5)]
+    metrics = [offload_to_cpu(MeanMetric(), worker="thread") for _ in range(5)]
     for m in metrics:
         m.update(torch.tensor(1.0))
     assert [m.compute() for m in metrics] == [1.0] * 5
@@ -506,7 +509,7 @@ def test_one_worker_thread_runs_every_offloaded_metric():
 
 
 def test_torchscript_scripts_the_offloaded_metric_as_the_plain_one():
-    metric, plain = offload_to_cpu(BinaryAccuracy()), BinaryAccuracy()
+    metric, plain = offload_to_cpu(BinaryAccuracy(), worker="thread"), BinaryAccuracy()
     preds, target = binary(0, 20)
     metric.update(preds, target)
     plain.update(preds, target)
@@ -516,7 +519,7 @@ def test_torchscript_scripts_the_offloaded_metric_as_the_plain_one():
 
 def test_the_worker_runs_an_update_with_the_callers_number_of_torch_threads():
     x = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))  # large enough to split a sum
-    offloaded, plain = offload_to_cpu(SumMetric()), SumMetric()
+    offloaded, plain = offload_to_cpu(SumMetric(), worker="thread"), SumMetric()
     threads = torch.get_num_threads()
     try:
         for count in (threads, 1, threads):  # as Lightning's DDP launcher sets it when the fit starts
@@ -529,7 +532,7 @@ def test_the_worker_runs_an_update_with_the_callers_number_of_torch_threads():
 
 
 def test_an_update_runs_in_the_callers_inference_mode():
-    metric, plain = offload_to_cpu(SumMetric()), SumMetric()
+    metric, plain = offload_to_cpu(SumMetric(), worker="thread"), SumMetric()
     with torch.inference_mode():  # as Lightning's evaluation loops: a state reset here is an inference tensor
         for m in (metric, plain):
             m.update(torch.tensor(1.0))
@@ -541,7 +544,7 @@ def test_an_update_runs_in_the_callers_inference_mode():
 
 def test_walking_a_modules_children_does_not_wait_for_the_queue():
     model = torch.nn.Module()
-    model.metric = offload_to_cpu(Gated())
+    model.metric = offload_to_cpu(Gated(), worker="thread")
     model.metric.update(torch.ones(5))
     model.metric.compute()
     GATE.clear()
@@ -552,7 +555,7 @@ def test_walking_a_modules_children_does_not_wait_for_the_queue():
     assert _queue_of(model.metric).pending == 1
     GATE.set()
     assert model.metric.compute() == 2 * 10
-    assert len({model.metric, offload_to_cpu(Gated())}) == 2
+    assert len({model.metric, offload_to_cpu(Gated(), worker="thread")}) == 2
 
 
 def test_a_setting_changed_while_updates_are_queued_applies_after_them_as_in_the_plain_metric():
@@ -561,7 +564,7 @@ def test_a_setting_changed_while_updates_are_queued_applies_after_them_as_in_the
             GATE.wait()
             super().update(value)
 
-    metric, plain = offload_to_cpu(GatedCat(nan_strategy="ignore")), CatMetric(nan_strategy="ignore")
+    metric, plain = offload_to_cpu(GatedCat(nan_strategy="ignore"), worker="thread"), CatMetric(nan_strategy="ignore")
     nan = torch.tensor([1.0, float("nan")])
     GATE.clear()
     metric.update(nan)  # queued: it must run with the strategy of its call

@@ -19,7 +19,7 @@ HOST_DRAWS = {name: draw for name, draw in DRAWS.items() if name != "torch's CPU
 
 @pytest.mark.parametrize("generator", HOST_DRAWS)
 def test_a_draw_at_a_later_update_raises_at_the_next_call(generator):
-    metric = offload_to_cpu(DrawsOnLargeBatches(generator))
+    metric = offload_to_cpu(DrawsOnLargeBatches(generator), worker="thread")
     metric.update(torch.ones(2))
     metric.update(torch.ones(8))
     _thread_worker().quiesce()
@@ -52,7 +52,7 @@ class WaitsForGate(SumMetric):
 def test_a_draw_of_the_training_thread_while_an_update_runs_is_not_taken_for_the_updates(generator):
     GATE.clear()
     ENTERED.clear()
-    metric, plain = offload_to_cpu(WaitsForGate()), SumMetric()
+    metric, plain = offload_to_cpu(WaitsForGate(), worker="thread"), SumMetric()
     metric.update(torch.ones(3))
     plain.update(torch.ones(3))
     assert ENTERED.wait(10)
@@ -71,7 +71,7 @@ class Uncopyable(DrawsOnLargeBatches):
 
 
 def test_a_metric_that_cannot_be_copied_warns_that_it_could_not_be_tried():
-    metric = offload_to_cpu(Uncopyable("Python's `random`"))
+    metric = offload_to_cpu(Uncopyable("Python's `random`"), worker="thread")
     metric.update(torch.ones(8))
     _thread_worker().quiesce()
     with pytest.warns(StoreOnCPUWarning, match=r"^Uncopyable: Python's or NumPy's global generator was drawn") as rec:
@@ -141,7 +141,7 @@ class DrawsTheSpareDeviate(SumMetric):
 
 
 def test_an_update_that_takes_numpys_spare_normal_deviate_raises():
-    metric = offload_to_cpu(DrawsTheSpareDeviate())
+    metric = offload_to_cpu(DrawsTheSpareDeviate(), worker="thread")
     metric.update(torch.ones(2))
     _thread_worker().quiesce()
     np.random.seed(0)

@@ -135,7 +135,7 @@ class _SetByModel(StoreOnCPUMixin, pl.LightningModule):
         self.layer = torch.nn.Linear(3, 1)
         self.plain = torchmetrics.classification.BinaryAUROC(thresholds=None)
         self.configured = store_states_on_cpu(torchmetrics.classification.BinaryAUROC(thresholds=None))
-        self.offloaded = offload_to_cpu(torchmetrics.classification.BinaryAUROC(thresholds=None))
+        self.offloaded = offload_to_cpu(torchmetrics.classification.BinaryAUROC(thresholds=None), worker="thread")
         self.by_flag = torchmetrics.classification.BinaryAUROC(thresholds=None)
         self.rows: list[KeyStorage] = []
 
@@ -194,7 +194,7 @@ class _OffloadedModel(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.layer = torch.nn.Linear(3, 1)
-        self.total = offload_to_cpu(_SlowSum())
+        self.total = offload_to_cpu(_SlowSum(), worker="thread")
         self.pending_before: list[int] = []
         self.rows: list[KeyStorage] = []
 

@@ -428,10 +428,10 @@ def test_the_offload_check_fails_on_a_host_sync_in_an_update(monkeypatch):
 @pytest.mark.parametrize(
     ("configure", "problem"),
     [
-        (lambda metric: metric, "BinaryAUROC: 0 of its 12 updates went through its queue"),
+        (lambda metric, worker: metric, "BinaryAUROC: 0 of its 12 updates went through its queue"),
         (
-            lambda metric: lightning_store.offload_to_cpu(
-                BinaryAUROC(thresholds=100) if isinstance(metric, BinaryAUROC) else metric
+            lambda metric, worker: lightning_store.offload_to_cpu(
+                BinaryAUROC(thresholds=100) if isinstance(metric, BinaryAUROC) else metric, worker=worker
             ),
             "BinaryAUROC's value differs from the plain Metric's",
         ),

@@ -58,7 +58,7 @@ def _images(seed: int = 0) -> tuple[Tensor, Tensor]:
 
 def _run(make, batches, context):
     """The plain and the offloaded Metric updated in ``context()``, and both computed outside it."""
-    plain, offloaded = make(), offload_to_cpu(make())
+    plain, offloaded = make(), offload_to_cpu(make(), worker="thread")
     for batch in batches:
         with context():
             plain.update(*batch)
@@ -141,7 +141,7 @@ def test_each_piece_of_thread_state_is_carried(context):
 
 
 def test_the_worker_is_left_as_it_was_after_an_update():
-    metric = offload_to_cpu(SeesThreadState())
+    metric = offload_to_cpu(SeesThreadState(), worker="thread")
     with _bf16(), _flush_subnormals(), torch.no_grad():
         metric.update(SUBNORMAL)
     metric.update(SUBNORMAL)
@@ -151,7 +151,7 @@ def test_the_worker_is_left_as_it_was_after_an_update():
 
 
 def test_thread_state_it_cannot_carry_fails_the_update_with_a_hint():
-    metric = offload_to_cpu(Gram())
+    metric = offload_to_cpu(Gram(), worker="thread")
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate)
     with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.Conjugate):
         metric.update(torch.ones(2, 4))
@@ -173,8 +173,8 @@ class ImagesModel(pl.LightningModule):
         self.ssim = StructuralSimilarityIndexMeasure(data_range=1.0)
         self.gram = Gram()
         if offload:
-            offload_to_cpu(self.ssim)
-            offload_to_cpu(self.gram)
+            offload_to_cpu(self.ssim, worker="thread")
+            offload_to_cpu(self.gram, worker="thread")
 
     def training_step(self, batch, batch_idx):
         (x,) = batch

@@ -42,7 +42,7 @@ def _ok(result: subprocess.CompletedProcess) -> str:
 def test_the_worker_starts_at_the_first_update_only():
     out = _ok(
         _run("""
-        metric = offload_to_cpu(CatMetric())
+        metric = offload_to_cpu(CatMetric(), worker="thread")
         print(_thread_worker().thread is None, _THREAD.registered)
         metric.update(torch.tensor([1.0]))
         print(_thread_worker().thread.name, _THREAD.registered, metric.compute().sum().item())
@@ -55,7 +55,7 @@ def test_dataloader_workers_forked_with_updates_queued_do_not_deadlock():
     out = _ok(
         _run("""
         from torch.utils.data import DataLoader
-        metric, plain = offload_to_cpu(Slow(), max_pending=64), SumMetric()
+        metric, plain = offload_to_cpu(Slow(), max_pending=64, worker="thread"), SumMetric()
         metric.update(torch.tensor(0.0))
         for value in range(1, 21):
             metric.update(torch.tensor(float(value)))
@@ -75,7 +75,7 @@ def test_dataloader_workers_forked_with_updates_queued_do_not_deadlock():
 def test_a_forked_child_has_a_worker_of_its_own():
     out = _ok(
         _run("""
-        metric = offload_to_cpu(Slow(), max_pending=64)
+        metric = offload_to_cpu(Slow(), max_pending=64, worker="thread")
         for value in range(10):
             metric.update(torch.tensor(float(value)))
         pid = os.fork()
@@ -93,7 +93,7 @@ def test_the_process_exits_promptly_with_updates_pending():
     started = time.perf_counter()
     result = _run(
         """
-        metric = offload_to_cpu(Slow(), max_pending=1000)
+        metric = offload_to_cpu(Slow(), max_pending=1000, worker="thread")
         for value in range(200):  # 100 s of updates
             metric.update(torch.tensor(float(value)))
         print("queued", metric._offload.pending, flush=True)
@@ -113,7 +113,7 @@ def test_an_offloaded_metric_unpickled_in_a_fresh_process_runs_there(tmp_path, q
     path = tmp_path / "metric.pkl"
     _ok(
         _run(f"""
-        metric = offload_to_cpu(Slow())
+        metric = offload_to_cpu(Slow(), worker="thread")
         for value in range(5):
             metric.update(torch.tensor(float(value)))
         if not {queued}:
@@ -137,7 +137,7 @@ def test_an_offloaded_metric_unpickled_in_a_fresh_process_runs_there(tmp_path, q
 def test_an_update_after_the_worker_stopped_at_exit_runs_in_the_caller():
     out = _ok(
         _run("""
-        metric = offload_to_cpu(SumMetric())
+        metric = offload_to_cpu(SumMetric(), worker="thread")
         metric.update(torch.tensor(1.0))
         metric.compute()
         _thread_worker().stop()  # as at exit, before another exit handler updates the Metric
@@ -151,7 +151,7 @@ def test_an_update_after_the_worker_stopped_at_exit_runs_in_the_caller():
 def test_a_read_after_exit_dropped_updates_says_so():
     out = _ok(
         _run("""
-        metric = offload_to_cpu(Slow(), max_pending=64)
+        metric = offload_to_cpu(Slow(), max_pending=64, worker="thread")
         for value in range(5):
             metric.update(torch.tensor(float(value)))
         _thread_worker().stop()  # as at exit: the updates not yet run are dropped

@@ -64,8 +64,8 @@ def heavy(report: Report, rounds: int, calls: int, sizes: tuple[int, ...]) -> No
             worker = Row("1", f"{what}: worker's time per update (throughput)", "ms", 1e3)
             metrics = {
                 "plain": make(),
-                "room": offload_to_cpu(make(), max_pending=calls),
-                "full": offload_to_cpu(make(), max_pending=1),
+                "room": offload_to_cpu(make(), max_pending=calls, worker="thread"),
+                "full": offload_to_cpu(make(), max_pending=1, worker="thread"),
             }
             first: dict[str, float] = {}
             for way, metric in metrics.items():  # the same first batch for all; an offloaded one starts the worker

@@ -44,7 +44,7 @@ class MetricHolder(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Linear(FEATURES, CLASSES)
-        self.metrics = torch.nn.ModuleDict({name: offload_to_cpu(m) for name, m in _metrics().items()})
+        self.metrics = torch.nn.ModuleDict({name: offload_to_cpu(m, worker="thread") for name, m in _metrics().items()})
 
     def predict(self, x: Tensor) -> Tensor:
         with torch.no_grad():

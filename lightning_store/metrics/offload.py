@@ -25,9 +25,9 @@ _EXAMPLE = "`self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200))`"
 
 
 def offload_to_cpu(
-    metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDING, worker: Literal["thread", "process"] = "thread"
+    metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDING, worker: Literal["process", "thread"] = "process"
 ) -> _Offloadable:
-    """Run ``metric``'s updates on the CPU, in a background worker: a thread (the default) or a process.
+    """Run ``metric``'s updates on the CPU, in a background worker: a process of its own (the default) or a thread.
 
     ``update()`` copies its inputs to the CPU, queues the update and returns; the worker runs the Metric's own
     ``update``, in call order. Every state lives on the CPU. Every read (``compute``, ``reset``, ``state_dict``, a
@@ -35,9 +35,11 @@ def offload_to_cpu(
     Metric run plainly on the CPU. Under DDP, ``compute`` syncs with :func:`~lightning_store.gather_on_device`.
     An update that fails in the worker raises again at the next call on the Metric.
 
-    A worker thread helps when the training step spends its time in tensor ops. When the step mostly runs Python
-    (as when it launches GPU kernels), or the Metric does (text Metrics), use ``worker="process"``. Which to use,
-    what is carried into the worker, and the refusals: :doc:`the guide </guides/offload-to-cpu>`.
+    A worker process shares no interpreter lock with the training step, which pays where the step runs Python, as
+    a host launching GPU kernels does; it starts as DataLoader workers do with ``spawn``, so a script guards its
+    code with ``if __name__ == "__main__":``. A worker thread (``worker="thread"``) starts at once and needs
+    neither pickling nor the guard, and helps only when the step spends its time in tensor ops. Which to use, what
+    is carried into the worker, and the refusals: :doc:`the guide </guides/offload-to-cpu>`.
 
     Args:
         metric (Metric | MetricCollection | MetricTracker): a ``torchmetrics.Metric`` (a wrapper too), a
@@ -45,8 +47,8 @@ def offload_to_cpu(
             share its queue.
         max_pending: the most updates that wait for the worker; one more waits in ``update`` until one has run. Each
             holds a copy of its inputs in host memory.
-        worker: ``"thread"``, a thread of this process, or ``"process"``, a process of its own, which runs the
-            updates of every Metric offloaded to it.
+        worker: ``"process"``, a process of its own, which runs the updates of every Metric offloaded to it, or
+            ``"thread"``, a thread of this process.
 
     Returns:
         Metric | MetricCollection | MetricTracker: ``metric`` itself.
@@ -111,9 +113,9 @@ def _configure_offloaded(member: Module, queue: _Queue) -> None:
 def _check_worker(worker: Any) -> None:
     if worker not in ("thread", "process") or not isinstance(worker, str):
         raise ValueError(
-            f"Expected worker to be 'thread' or 'process', got {worker!r}. HINT: 'thread' (the default) runs the"
-            " updates in a thread of this process; 'process' in a process of their own, which pays where the step"
-            " or the Metric runs much Python."
+            f"Expected worker to be 'process' or 'thread', got {worker!r}. HINT: 'process' (the default) runs the"
+            " updates in a process of their own, which pays where the step or the Metric runs Python; 'thread' in a"
+            " thread of this process, which starts at once and needs no pickling."
         )
 
 
@@ -123,8 +125,8 @@ def _check_pickles(metric: Module) -> None:
         raise TypeError(
             f"offload_to_cpu(worker='process') got a {type(metric).__name__} whose class {in_main} is defined in"
             " `__main__` of a program run with `python -c`, from stdin or in a notebook: the worker process cannot"
-            " import it. HINT: pass worker='thread' (the default), which works there, or define the class in a"
-            " module the worker process can import."
+            " import it. HINT: pass worker='thread', which works there, or define the class in a module the worker"
+            " process can import."
         )
     try:
         pickle.dumps(metric)

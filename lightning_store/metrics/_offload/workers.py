@@ -19,7 +19,8 @@ _W = TypeVar("_W")
 # Start. Lazily, never at import. The thread starts at the first job queued (`_WorkerThread.submit`), which
 # routes warnings so that those of the updates are kept (`kept_warnings._install`). The worker process starts
 # when the first copy of an offloaded object is sent to it, before its first update: `_check_main_runs_again`
-# first (the `spawn` method, as DataLoader workers, runs `__main__` again), then a daemon process that says
+# first (the `spawn` method, as DataLoader workers, runs `__main__` again: not from stdin, and not the statement
+# running now, unless `if __name__ == "__main__":` guards it), then a daemon process that says
 # `_Ready`. What a fork and the exit do (below) is registered when the first worker of a kind starts.
 #
 # Feed. Thread: a FIFO of `_Job`s under the worker's lock, each with its caller's torch state (`_CallerState`) and
