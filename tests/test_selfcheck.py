@@ -373,13 +373,16 @@ def test_the_offload_check_passes_on_the_cpu_and_skips_its_cuda_part_with_the_re
     assert result.status == "PASS", result.detail
     assert result.detail == (
         f"BinaryAUROC(thresholds=200) and MulticlassConfusionMatrix(num_classes=5), {_offload.BATCHES} updates each on"
-        " the CPU, every one queued: values bit for bit those of the plain Metrics, every state on the CPU;"
+        " the CPU, in a worker process and in a worker thread, every one queued: values bit for bit those of the"
+        " plain Metrics, every state on the CPU;"
         f" its CUDA part skipped (needs CUDA, and {why_not}: {OFFLOAD_NEEDS})"
     )
     cpu = result.data["cpu"]
     assert cpu["updates"] == _offload.BATCHES and cpu["syncs"] is None
     assert cpu["queued"] == {"BinaryAUROC": _offload.BATCHES, "MulticlassConfusionMatrix": _offload.BATCHES}
     assert cpu["state_devices"] == cpu["metric_devices"] == {"cpu"} and cpu["device_bytes"] == 0
+    assert cpu["same"] == result.data["cpu_thread"]["same"] == {"BinaryAUROC": True, "MulticlassConfusionMatrix": True}
+    assert result.data["cpu_thread"]["queued"] == cpu["queued"]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -444,7 +447,8 @@ def test_the_offload_check_fails_where_a_metric_is_not_offloaded_or_its_value_di
     monkeypatch.setattr(_offload, "offload_to_cpu", configure)
     outcome = _offload.check_offload(Context("cpu", tmp_path))
     assert outcome.status == "FAIL"
-    assert outcome.detail.startswith(f"on the CPU: {problem}"), outcome.detail
+    assert outcome.detail.startswith(f"on the CPU, worker='process': {problem}"), outcome.detail
+    assert f"on the CPU, worker='thread': {problem}" in outcome.detail
 
 
 def test_help_documents_json_and_the_exit_status(capsys):

@@ -2,7 +2,7 @@
 
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -41,10 +41,10 @@ def _inputs(name: str, logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
 class MetricHolder(torch.nn.Module):
     """A model-like module: a layer that makes the predictions, and the offloaded Metrics that it holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: Literal["process", "thread"]) -> None:
         super().__init__()
         self.net = torch.nn.Linear(FEATURES, CLASSES)
-        self.metrics = torch.nn.ModuleDict({name: offload_to_cpu(m, worker="thread") for name, m in _metrics().items()})
+        self.metrics = torch.nn.ModuleDict({name: offload_to_cpu(m, worker=worker) for name, m in _metrics().items()})
 
     def predict(self, x: Tensor) -> Tensor:
         with torch.no_grad():
@@ -99,7 +99,9 @@ class OffloadRun:
         return found
 
 
-def offload_run(device: torch.device, batches: int, count_syncs: bool) -> OffloadRun:
+def offload_run(
+    device: torch.device, batches: int, count_syncs: bool, worker: Literal["process", "thread"] = "process"
+) -> OffloadRun:
     """Feed a :class:`MetricHolder` moved to ``device`` ``batches`` batches made there, then read its Metrics.
 
     The oracle is the plain Metric on the CPU fed the inputs' CPU copies, after the run; the same Metric on
@@ -109,9 +111,10 @@ def offload_run(device: torch.device, batches: int, count_syncs: bool) -> Offloa
         device: where the module, its layer and the inputs are.
         batches: the updates of each Metric.
         count_syncs: count the host syncs in every update after the first (CUDA only).
+        worker: ``offload_to_cpu``'s.
     """
     torch.manual_seed(0)  # the layer's weights
-    holder = MetricHolder()
+    holder = MetricHolder(worker)
     holder = holder.cuda(device) if device.type == "cuda" else holder.to(device)
     metrics = {name: cast(Metric, metric) for name, metric in holder.metrics.items()}
     run = OffloadRun(str(device), batches, same={}, queued={})
@@ -162,14 +165,21 @@ def offload_outcome(device: torch.device | None, skipped: str = "") -> Outcome:
         device: the CUDA device of the second part (the CPU in the tests, where a fake counts the syncs), or None.
         skipped: why there is no second part, when ``device`` is None.
     """
-    cpu = offload_run(torch.device("cpu"), BATCHES, count_syncs=False)
-    problems = [f"on the CPU: {problem}" for problem in cpu.problems()]
+    cpu = {worker: offload_run(torch.device("cpu"), BATCHES, False, worker) for worker in ("process", "thread")}
+    problems = [
+        f"on the CPU, worker={worker!r}: {problem}" for worker, run in cpu.items() for problem in run.problems()
+    ]
     detail = (
         f"BinaryAUROC(thresholds={THRESHOLDS}) and MulticlassConfusionMatrix(num_classes={CLASSES}), {BATCHES}"
-        " updates each on the CPU, every one queued: values bit for bit those of the plain Metrics, every state on"
-        " the CPU"
+        " updates each on the CPU, in a worker process and in a worker thread, every one queued: values bit for bit"
+        " those of the plain Metrics, every state on the CPU"
     )
-    data: dict[str, Any] = {"cpu": asdict(cpu), "cuda": None, "cuda_skipped": skipped or None}
+    data: dict[str, Any] = {
+        "cpu": asdict(cpu["process"]),
+        "cpu_thread": asdict(cpu["thread"]),
+        "cuda": None,
+        "cuda_skipped": skipped or None,
+    }
     if device is None:
         detail += f"; its CUDA part skipped ({skipped})"
     else:
