@@ -2,7 +2,7 @@
 
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -13,6 +13,7 @@ from lightning_store import offload_to_cpu
 from lightning_store._selfcheck._core import Context, Outcome, Skip
 from lightning_store._selfcheck._cuda import _BlockedWaits, host_syncs, require_cuda
 from lightning_store.metrics._reads import _queue_of
+from lightning_store.metrics.offload import _Worker
 
 BATCHES = 12  # of the CPU part
 UPDATES = 20  # per Metric, counted on CUDA after the first (which checks the Metric once, with a host sync)
@@ -41,7 +42,7 @@ def _inputs(name: str, logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
 class MetricHolder(torch.nn.Module):
     """A model-like module: a layer that makes the predictions, and the offloaded Metrics that it holds."""
 
-    def __init__(self, worker: Literal["process", "thread"]) -> None:
+    def __init__(self, worker: _Worker) -> None:
         super().__init__()
         self.net = torch.nn.Linear(FEATURES, CLASSES)
         self.metrics = torch.nn.ModuleDict({name: offload_to_cpu(m, worker=worker) for name, m in _metrics().items()})
@@ -99,9 +100,7 @@ class OffloadRun:
         return found
 
 
-def offload_run(
-    device: torch.device, batches: int, count_syncs: bool, worker: Literal["process", "thread"] = "process"
-) -> OffloadRun:
+def offload_run(device: torch.device, batches: int, count_syncs: bool, worker: _Worker = "process") -> OffloadRun:
     """Feed a :class:`MetricHolder` moved to ``device`` ``batches`` batches made there, then read its Metrics.
 
     The oracle is the plain Metric on the CPU fed the inputs' CPU copies, after the run; the same Metric on

@@ -1,7 +1,7 @@
 """``offload_to_cpu``: any torchmetrics Metric's update, states and compute on the CPU, off the training step."""
 
 import pickle
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from torch.nn import Module
 from torchmetrics import Metric, MetricCollection
@@ -21,11 +21,12 @@ from lightning_store.metrics.states import _ACCEPTED, _check_configurable
 __all__ = ["offload_to_cpu"]
 
 _Offloadable = TypeVar("_Offloadable", Metric, MetricCollection, MetricTracker)
+_Worker = Literal["process", "thread"]  # what runs the updates: a process of its own, or a thread
 _EXAMPLE = "`self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200))`"
 
 
 def offload_to_cpu(
-    metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDING, worker: Literal["process", "thread"] = "process"
+    metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDING, worker: _Worker = "process"
 ) -> _Offloadable:
     """Run ``metric``'s updates on the CPU, in a background worker: a process of its own (the default) or a thread.
 
@@ -111,7 +112,7 @@ def _configure_offloaded(member: Module, queue: _Queue) -> None:
 
 
 def _check_worker(worker: Any) -> None:
-    if worker not in ("thread", "process") or not isinstance(worker, str):
+    if not isinstance(worker, str) or worker not in get_args(_Worker):
         raise ValueError(
             f"Expected worker to be 'process' or 'thread', got {worker!r}. HINT: 'process' (the default) runs the"
             " updates in a process of their own, which pays where the step or the Metric runs Python; 'thread' in a"

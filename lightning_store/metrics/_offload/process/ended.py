@@ -1,11 +1,10 @@
 """Why the worker process ended, or could not take an object: the real cause, and what to do, in words."""
 
 import ast
-import functools
 import os
 import signal
 import sys
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any
 
 _RESET = "`reset()` the Metric to go on from an empty state."
@@ -70,38 +69,22 @@ def _main_defines(obj: Any) -> str | None:
 def _check_main_runs_again() -> None:
     """Raise unless a process spawned now can run this program's ``__main__`` again, as it is running now.
 
-    It cannot from stdin, and must not run again the statement running now (:func:`_check_main_is_guarded`).
+    It cannot from stdin. It must not run again the statement of ``__main__`` running now, outside
+    ``if __name__ == "__main__":``: a process spawned now runs the module's top-level code again, and the statement
+    that led here (a ``trainer.fit``, say) would run again there, before the worker process could start.
     """
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    if path is not None and _main_is_not_a_file():  # a file named, which does not exist: stdin
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None:  # `python -c`, a notebook: a class it defines is refused (`_main_defines`)
+        return
+    if _main_is_not_a_file():  # a file named, which does not exist: stdin
         raise RuntimeError(
             f"lightning-store's offload worker process cannot start: it starts as DataLoader workers do with the"
             f" `spawn` method, which runs this program's `__main__` again, and this one was read from {path}, which"
             " another process cannot read. HINT: pass worker='thread' to offload_to_cpu, or run the program from a"
             " file."
         )
-    _check_main_is_guarded()
-
-
-def _check_main_is_guarded() -> None:
-    """Raise if the statement of this program's ``__main__`` running now is outside ``if __name__ == "__main__":``.
-
-    A process spawned now runs the top-level code of ``__main__`` again, outside that block: the statement that led
-    here (a ``trainer.fit``, say) would run again there, before the worker process could start.
-    """
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if main is None or path is None or _main_is_not_a_file():
-        return
-    frame: FrameType | None = sys._getframe(1)
-    running = None
-    while frame is not None:  # the outermost frame of the module's own code
-        if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
-            running = frame
-        frame = frame.f_back
-    if running is None:
-        return
-    line = _unguarded_statement(os.path.abspath(path), os.path.getmtime(path), running.f_lineno)
+    line = _unguarded_statement(main, path)
     if line is not None:
         raise RuntimeError(
             "lightning-store's offload worker process cannot start: it starts as DataLoader workers do with the"
@@ -112,14 +95,22 @@ def _check_main_is_guarded() -> None:
         )
 
 
-@functools.lru_cache(maxsize=8)
-def _unguarded_statement(path: str, mtime: float, line: int) -> int | None:
-    """The first line of the top-level statement of ``path`` around ``line``; ``None`` if ``__name__`` guards it."""
+def _unguarded_statement(main: ModuleType, path: str) -> int | None:
+    """The first line of the top-level statement of ``main`` running now, unless ``__name__`` guards it."""
+    frame: FrameType | None = sys._getframe(1)
+    running = None
+    while frame is not None:  # the outermost frame of the module's own code
+        if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
+            running = frame
+        frame = frame.f_back
+    if running is None:
+        return None
     try:
         with open(path, "rb") as file:
             tree = ast.parse(file.read())
     except (OSError, SyntaxError, ValueError):  # not Python source that can be read: not judged
         return None
+    line = running.f_lineno
     for statement in tree.body:
         if statement.lineno <= line <= (statement.end_lineno or statement.lineno):
             guarded = isinstance(statement, ast.If) and any(
