@@ -1,5 +1,6 @@
 """An offloaded update's inputs reach the Metric with the caller's layout: values and errors as the plain one's."""
 
+import pickle
 from collections import OrderedDict
 
 import pytest
@@ -170,3 +171,32 @@ def test_a_buffer_made_in_inference_mode_serves_a_copy_outside_it():
     metric.update(y)
     plain.update(y.clone())
     assert torch.equal(metric.compute(), plain.compute())
+
+
+def _in_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor``'s layout (shape, strides, offset) over its storage's values in ``dtype``."""
+    flat = torch.empty(0).set_(tensor.untyped_storage())
+    flat = flat > 0 if dtype is torch.bool else flat.to(dtype)
+    return flat.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64, torch.int64, torch.bool])
+@pytest.mark.parametrize("inference", [False, True], ids=["normal", "inference"])
+@pytest.mark.parametrize("read_in_inference_mode", [False, True], ids=["read outside", "read in inference mode"])
+def test_a_state_sent_between_the_processes_comes_back_bit_for_bit(layout, dtype, inference, read_in_inference_mode):
+    # what the worker process and this one send each other (a Metric's copy, its states back) pickles each tensor as
+    # its bytes: the same values, dtype, shape, strides, and kind (inference or not), in memory of its own
+    from lightning_store.metrics._offload.process import pickling
+
+    with torch.inference_mode(inference):
+        state = _in_dtype(LAYOUTS[layout](), dtype)
+    payload = pickling.dumps([state, state])
+    with torch.inference_mode(read_in_inference_mode):
+        got, again = pickle.loads(payload)
+    assert got is again  # one object pickled once, as pickle keeps it
+    assert (got.dtype, got.shape, got.stride()) == (state.dtype, state.shape, state.stride())
+    assert got.is_inference() == inference
+    assert torch.equal(got, state)
+    if state.numel():
+        assert got.untyped_storage().data_ptr() != state.untyped_storage().data_ptr()

@@ -1,6 +1,5 @@
 """An update's inputs for the worker process: tensors written into the shared arena, read back there."""
 
-import ctypes
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +12,7 @@ from lightning_store.metrics._offload.inputs import _map_inputs, _small_and_whol
 from lightning_store.metrics._offload.layout import Flags, as_passed, flags, misalignment, spanned, unflagged
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _aligned, _Arena
-from lightning_store.metrics._offload.process.pickling import _tensor
+from lightning_store.metrics._offload.process.pickling import _memory_of, _tensor
 
 
 class _InArena:
@@ -56,8 +55,7 @@ class _Small:
     __slots__ = ("data", "dtype", "flags", "shape", "stride")
 
     def __init__(self, tensor: Tensor, passed: Flags) -> None:
-        size = tensor.numel() * tensor.element_size()
-        self.data = bytearray((ctypes.c_char * size).from_address(tensor.data_ptr())) if size else bytearray()
+        self.data = _memory_of(tensor)
         self.dtype, self.shape, self.stride, self.flags = tensor.dtype, tuple(tensor.shape), tensor.stride(), passed
 
     def __reduce__(self) -> tuple[Any, ...]:
