@@ -56,7 +56,8 @@ def test_work_moved_over_the_handoff_says_nothing_and_the_first_updates_are_not_
 @pytest.mark.parametrize("worker", ["thread", "process"])
 def test_a_cheap_metric_offloaded_warns_at_the_callers_line_though_never_logged(worker):
     metric, plain = offload_to_cpu(MeanMetric(), worker=worker), MeanMetric()
-    values = torch.rand(3 * WINDOW, generator=torch.Generator().manual_seed(0))
+    # several windows: on a busy machine one window's medians may come out even (the worker's update descheduled)
+    values = torch.rand(8 * WINDOW, generator=torch.Generator().manual_seed(0))
     said_first = r"^MeanMetric: offloading it costs the step more than it saves"
     with pytest.warns(StoreOnCPUWarning, match=said_first) as caught:
         for value in values:
