@@ -4,6 +4,7 @@ Shared by the tests and the 2-process worker (``_states_ddp_worker.py``): every 
 Metric, so a test can compare the configured one with the plain one, fed the same data.
 """
 
+import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +115,69 @@ class SeesLayout(Metric):
 
     def compute(self) -> Tensor:
         return dim_zero_cat(self.seen)
+
+
+class SignedProduct(Metric):
+    """A product from 0.0: an update by a negative number makes it -0.0, equal to its default and not the same bits."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("product", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, x: Tensor) -> None:
+        self.product = self.product * x
+
+    def compute(self) -> Tensor:
+        return self.product
+
+
+class ChangesItsDefaults(Metric):
+    """An update that adds a state at its first call (as a lazy Metric does), and may change a default in place."""
+
+    def __init__(self, in_place: bool = False):
+        super().__init__()
+        self.in_place = in_place
+        self.add_state("total", torch.zeros(3), dist_reduce_fx="sum")
+
+    def update(self, x: Tensor) -> None:
+        if "count" not in self._defaults:
+            self.add_state("count", torch.tensor(0), dist_reduce_fx="sum")
+        self.total += x
+        self.count += 1
+        if self.in_place:
+            self._defaults["total"].add_(1.0)
+
+    def compute(self) -> tuple[Tensor, Tensor]:
+        return self.total, self.count
+
+
+class SeesItsState(Metric):
+    """Keeps, at each update, whether its state is an inference tensor (as ``reset()`` in inference mode makes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("total", torch.zeros(2), dist_reduce_fx="sum")
+        self.add_state("seen", [], dist_reduce_fx="cat")
+
+    def update(self, x: Tensor) -> None:
+        self.seen.append(torch.tensor([float(self.total.is_inference())]))
+        self.total = self.total + x
+
+    def compute(self) -> tuple[Tensor, Tensor]:
+        return self.total, torch.cat(self.seen)
+
+
+class NotMadeWhile(SumMetric):
+    """A Metric that does not unpickle while the file ``path`` is there (as one whose class a process cannot import)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if os.path.exists(state["path"]):
+            raise ImportError(f"not made while {state['path']} is there")
+        super().__setstate__(state)
 
 
 def made_in_inference_mode(make: Callable[[], Tensor]) -> Tensor:

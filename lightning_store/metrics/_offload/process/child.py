@@ -1,5 +1,6 @@
 """The worker process: a copy of each object offloaded to it, whose updates it runs in order; it sends their states."""
 
+import functools
 import os
 import pickle
 import queue
@@ -16,6 +17,7 @@ from torch.nn import Module
 from lightning_store.metrics._offload.draws import _drawn, _host_states
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _Arena
+from lightning_store.metrics._offload.process.defaults import _changed_defaults, _Held, _held, _made_from
 from lightning_store.metrics._offload.process.inputs import _read_inputs
 from lightning_store.metrics._offload.process.messages import (
     _RAN_AT_ONCE,
@@ -90,6 +92,7 @@ class _ChildServer:
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.objects: dict[int, Module] = {}
+        self.defaults: dict[int, _Held] = {}  # each object's defaults, as sent: the parent sends them as references
         self.broken: dict[int, tuple] = {}  # an object that could not be made here: the error, for each update
         self.failed: set[int] = set()  # an object whose update failed: its next updates are not run, until resumed
         self.arenas = _Arenas()
@@ -133,6 +136,7 @@ class _ChildServer:
                     self._pull(object_id)
                 case _Drop(object_id):
                     self.objects.pop(object_id, None)
+                    self.defaults.pop(object_id, None)
                 case _Forget(name):
                     arena = self.arenas.pop(name, None)
                     if arena is not None:
@@ -152,8 +156,9 @@ class _ChildServer:
     def _replace(self, object_id: int, payload: bytes) -> None:
         self.failed.discard(object_id)
         self.broken.pop(object_id, None)
+        held = self.defaults.pop(object_id, {})
         try:
-            self.objects[object_id] = pickle.loads(payload)
+            self.objects[object_id] = _pickling.loads(payload, functools.partial(_made_from, held))
         except BaseException as error:  # its class cannot be imported here, say: the parent is told, once
             self.objects.pop(object_id, None)
             self.broken[object_id] = _error_info(error)
@@ -161,6 +166,7 @@ class _ChildServer:
             return
         for module in self.objects[object_id].modules():  # the plain Metrics: this process runs them as they are
             module.__class__ = type(module).__dict__.get("_base_class", type(module))
+        self.defaults[object_id] = _held(self.objects[object_id])
 
     def _run(
         self,
@@ -204,7 +210,9 @@ class _ChildServer:
         if obj is None:
             self._put(_States(object_id, None, self.broken.get(object_id)))
             return
-        values = [_data_of(module) for module in obj.modules()]
+        # with the defaults an update changed here, if one did: the parent's are then these, and sent as bytes
+        changed = _changed_defaults(obj, self.defaults.get(object_id, {}))
+        values = [{**_data_of(module), **more} for module, more in zip(obj.modules(), changed, strict=True)]
         try:
             self._put(_States(object_id, _pickling.dumps(values), None))
         except BaseException as error:  # an attribute an update set that cannot be pickled, or no memory for it

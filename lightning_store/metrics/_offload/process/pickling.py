@@ -3,6 +3,7 @@
 import ctypes
 import io
 import pickle
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +28,31 @@ class _Pickler(pickle.Pickler):
         else:
             data = bytearray(spanned(obj).contiguous().view(torch.uint8).numpy().tobytes())
         return _tensor, (data, obj.dtype, tuple(obj.shape), obj.stride(), obj.is_inference())
+
+
+class _Referencing(_Pickler):
+    """A :class:`_Pickler` that writes the tensors of ``known`` (by ``id``) as the reference it gives each."""
+
+    def __init__(self, file: io.BytesIO, known: Mapping[int, Hashable]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.known = known
+
+    def persistent_id(self, obj: Any) -> Hashable | None:
+        return self.known.get(id(obj)) if type(obj) is Tensor else None
+
+
+class _Resolving(pickle.Unpickler):
+    """An unpickler that makes the object a reference stands for with ``resolve``, once for each reference."""
+
+    def __init__(self, file: io.BytesIO, resolve: Callable[[Any], Any]) -> None:
+        super().__init__(file)
+        self.resolve = resolve
+        self.made: dict[Hashable, Any] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid not in self.made:  # pickle memoizes no reference: the same tensor twice is one tensor again
+            self.made[pid] = self.resolve(pid)
+        return self.made[pid]
 
 
 def _plain(tensor: Tensor) -> bool:
@@ -87,7 +113,14 @@ def pickles(obj: Any) -> bool:
     return True
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: Any, known: Mapping[int, Hashable] | None = None) -> bytes:
+    """``obj`` pickled by :class:`_Pickler`; the tensors of ``known`` (by ``id``) as the references it gives them."""
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    pickler = _Referencing(buffer, known) if known else _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dump(obj)
     return buffer.getvalue()
+
+
+def loads(payload: bytes, resolve: Callable[[Any], Any]) -> Any:
+    """What :func:`dumps` pickled, each reference made by ``resolve``."""
+    return _Resolving(io.BytesIO(payload), resolve).load()

@@ -5,13 +5,14 @@ import pickle
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from torch.nn import Module
 
 from lightning_store.metrics._offload.caller_state import _CallerState
 from lightning_store.metrics._offload.guard import _Refused
 from lightning_store.metrics._offload.process import pickling as _pickling
+from lightning_store.metrics._offload.process.defaults import _SentDefaults
 from lightning_store.metrics._offload.process.ended import _RESET, _why_not_made
 from lightning_store.metrics._offload.process.inputs import _Outgoing
 from lightning_store.metrics._offload.process.messages import _Call, _Done, _Replace, _Resume
@@ -40,6 +41,7 @@ class _ProcessQueue(_Queue):
         self.paths: dict[int, str] = {}  # id of a Module of `root` -> its name in `root`
         self.lost: str | None = None  # why the worker process's copy is gone
         self.lost_hint = _RESET  # and what to do
+        self.defaults: _SentDefaults | None = None  # the defaults the worker process's copy holds, as sent
 
     def __reduce__(self) -> tuple[Any, ...]:
         # with the object it belongs to, so that an unpickled object sends itself whole (pickle keeps the cycle)
@@ -145,6 +147,7 @@ class _ProcessQueue(_Queue):
         """The worker process could not make its copy of ``root`` (its class cannot be imported there, say)."""
         reason, hint = _why_not_made(error)
         self.lost, self.lost_hint = reason, f"{hint} Then {_RESET}"
+        self.defaults = None  # it holds no copy
 
     def on_pulled(self, payload: bytes | None, error: tuple | None) -> None:
         """The states the worker process sent back (``payload``), copied into ``root``; or why it could not."""
@@ -206,7 +209,7 @@ class _ProcessQueue(_Queue):
         """The worker process ended: lost with ``reason`` (and ``hint``) if it had updates not here; nothing sent."""
         if self.ahead():
             self.lost, self.lost_hint = reason, hint
-        self.pending, self.sent, self.ahead_there = 0, False, False
+        self.pending, self.sent, self.ahead_there, self.defaults = 0, False, False, None
 
     def forked(self, new_id: int) -> None:
         """This process is a fork, whose worker process is not the parent's (``new_id``: its id in this one's)."""
@@ -215,7 +218,7 @@ class _ProcessQueue(_Queue):
                 "It was copied into a forked process (a DataLoader worker, say) while its worker process had updates"
                 " this process had not read back."
             )
-        self.sent, self.pending, self.ahead_there = False, 0, False
+        self.sent, self.pending, self.ahead_there, self.defaults = False, 0, False, None
         self.id = new_id
 
     def _send_root(self) -> None:
@@ -230,9 +233,24 @@ class _ProcessQueue(_Queue):
             return
         if self.lost is not None:  # it ended with updates of this object
             self.report()
+        for _ in range(2):  # once more, to a new worker process, if this one ended before it got it
+            generation = worker.generation
+            worker.send(_Replace(self.id, self._pickled()), start=True)
+            if worker.generation == generation:
+                self.sent = True
+                self.defaults = _SentDefaults(cast(Module, self.root))
+                return
+            if self.lost is not None:
+                self.report()
+        self.lost, self.lost_hint = "lightning-store's offload worker process ended twice as it was sent it.", _RESET
+        self.report()
+
+    def _pickled(self) -> bytes:
+        """``root`` pickled, the defaults the worker process holds as references to them (see ``defaults.py``)."""
+        known = self.defaults.references(cast(Module, self.root)) if self.defaults is not None else None
         try:
             with _Inline():  # pickled as it is here: nothing is pending
-                payload = _pickling.dumps(self.root)
+                return _pickling.dumps(self.root, known)
         except Exception as error:
             raise TypeError(
                 f"{self.name} cannot be pickled any more ({error}), and the worker process gets a copy of it before"
@@ -240,16 +258,6 @@ class _ProcessQueue(_Queue):
                 " offload_to_cpu holds what pickle cannot take (a lambda, a lock, an open file). HINT: keep only"
                 " picklable attributes on the Metric, or pass worker='thread' to offload_to_cpu."
             ) from error
-        for _ in range(2):  # once more, to a new worker process, if this one ended before it got it
-            generation = worker.generation
-            worker.send(_Replace(self.id, payload), start=True)
-            if worker.generation == generation:
-                self.sent = True
-                return
-            if self.lost is not None:
-                self.report()
-        self.lost, self.lost_hint = "lightning-store's offload worker process ended twice as it was sent it.", _RESET
-        self.report()
 
     def _path(self, obj: Module) -> str | None:
         """The name of ``obj`` in ``root`` (``""`` for ``root``), or ``None`` if ``obj`` is not part of it.
@@ -263,9 +271,10 @@ class _ProcessQueue(_Queue):
         return self.paths.get(id(obj))
 
     def resetting(self) -> None:
-        # after the worker process was lost, the object here goes on from an empty state
+        # after the worker process's copy was lost, the object here goes on from an empty state; the updates still
+        # pending are answered (not run) by a worker process that could not make the copy, and counted as they are
         if self.lost is not None:
-            self.lost, self.pending, self.ahead_there, self.sent = None, 0, False, False
+            self.lost, self.ahead_there, self.sent = None, False, False
             self.lost_hint, self.failure = _RESET, None
 
 
