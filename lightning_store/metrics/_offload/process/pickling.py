@@ -81,9 +81,14 @@ def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple, stride: tuple, in
     if torch.is_inference_mode_enabled() != inference:
         with torch.inference_mode(inference):
             return _tensor(data, dtype, shape, stride, inference)
-    if not data:
-        return torch.empty_strided(shape, stride, dtype=dtype)
-    return torch.frombuffer(data, dtype=torch.uint8).clone().view(dtype).as_strided(shape, stride, 0)
+    tensor = torch.empty_strided(shape, stride, dtype=dtype)
+    if data:
+        size = tensor.untyped_storage().nbytes()
+        if size != len(data):  # not the span of its layout (never seen): the bytes read as they were sent
+            return torch.frombuffer(data, dtype=torch.uint8).clone().view(dtype).as_strided(shape, stride, 0)
+        source = data if isinstance(data, bytes) else (ctypes.c_char * size).from_buffer(data)
+        ctypes.memmove(tensor.data_ptr(), source, size)  # one op, where a tensor of the bytes takes four
+    return tensor
 
 
 def _exception(cls: type[BaseException], args: tuple, state: dict[str, Any]) -> BaseException:
