@@ -233,6 +233,23 @@ def test_a_draw_there_fails_the_update_and_moves_nothing_here(generator):
     assert np.array_equal(np.random.get_state()[1], states[2])
 
 
+class DrawsWhenUnpickled(SumMetric):
+    """Draws from every generator when a copy of it is made (in the worker process, before the next update)."""
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for draw in DRAWS.values():
+            draw()
+
+
+def test_a_draw_between_two_updates_is_not_taken_for_the_second_updates():
+    offloaded, plain = _pair(DrawsWhenUnpickled)
+    for value in torch.arange(6.0).split(2):  # a read between updates: the copy sent again draws, the update not
+        offloaded.update(value)
+        plain.update(value)
+        assert torch.equal(offloaded.compute(), plain.compute())
+
+
 class Unpicklable(SumMetric):
     def __init__(self):
         super().__init__()

@@ -40,6 +40,21 @@ def _dispatch_keys() -> tuple[Any, Any]:
     )
 
 
+_CARRIED: dict[tuple[Any, Any], tuple[Any, Any]] = {}  # the identities of a thread's key sets -> those carried
+
+
+def _carried_keys() -> tuple[Any, Any]:
+    """The identities of :func:`_dispatch_keys`' two sets: looked up by those of the thread's own, for few are seen."""
+    raw = (_identity(torch._C._dispatch_tls_local_include_set()), _identity(torch._C._dispatch_tls_local_exclude_set()))
+    carried = _CARRIED.get(raw)
+    if carried is None:
+        included, excluded = _dispatch_keys()
+        carried = (_identity(included), _identity(excluded))
+        if len(_CARRIED) < 256:
+            _CARRIED[raw] = carried
+    return carried
+
+
 def _key_names(identity: Any) -> set[str]:
     """The names of the keys in a key set known by its identity (see ``_identity``)."""
     text = identity if isinstance(identity, str) else repr(_KeySet.from_raw_repr(identity))
@@ -128,6 +143,10 @@ class _CallerState:
         if default_dtype and dtype != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
         try:
+            if self._in_modes():  # most often: nothing to enter (an ExitStack costs 1 µs)
+                self._check_carried()
+                yield
+                return
             with contextlib.ExitStack() as stack:  # a mode entered only where it differs: each costs ops µs
                 if torch.is_inference_mode_enabled() != self.inference:
                     stack.enter_context(torch.inference_mode(self.inference))
@@ -143,9 +162,16 @@ class _CallerState:
             if default_dtype and dtype != self.default_dtype:
                 torch.set_default_dtype(dtype)
 
+    def _in_modes(self) -> bool:
+        """Whether this thread is in the caller's inference and grad modes, with autocast off as the caller's."""
+        return (
+            not self.autocast
+            and torch.is_inference_mode_enabled() == self.inference
+            and torch.is_grad_enabled() == self.grad
+        )
+
     def _check_carried(self) -> None:
-        included, excluded = _dispatch_keys()
-        here = (_identity(included), _identity(excluded))
+        here = _carried_keys()
         if here != self.keys:
             differ = set.union(*(_key_names(a) ^ _key_names(b) for a, b in zip(here, self.keys, strict=True)))
             raise _Refused(
