@@ -334,3 +334,110 @@ def test_inputs_whose_copies_land_late_are_sent_once_landed_in_order(monkeypatch
     assert len(_process_worker().outbox) == 2 and not transfer.copies[1].waited  # the first went, in order
     assert_same_values(offloaded.compute(), plain.compute())  # a read waits for every copy
     assert all(c.waited and c.released for c in transfer.copies[1:])
+
+
+class SeesItsState(CatMetric):
+    """Keeps, by update, whether grad mode was on and the default dtype's tensor of its input's sum."""
+
+    def update(self, value: Tensor) -> None:
+        super().update(torch.tensor([float(torch.is_grad_enabled()), value.sum().item()]))
+
+
+def _updates_per_message(monkeypatch):
+    """The number of updates in each message sent to the worker process, as sent."""
+    from lightning_store.metrics._offload.process import messages
+    from lightning_store.metrics._offload.process.parent import _ProcessWorker
+
+    counts, send_bytes = [], _ProcessWorker.send_bytes
+
+    def counted(self, payload, start=False):
+        message = messages._read(pickle.loads(payload))
+        if isinstance(message, messages._Updates):
+            counts.append(len(message.updates))
+        send_bytes(self, payload, start)
+
+    monkeypatch.setattr(_ProcessWorker, "send_bytes", counted)
+    return counts
+
+
+@pytest.mark.filterwarnings("ignore:.*costs the step more than it saves")  # a cheap Metric, back to back
+def test_updates_sent_in_one_message_run_one_by_one_each_with_its_callers_state(monkeypatch):
+    counts = _updates_per_message(monkeypatch)
+    offloaded, plain = _pair(SeesItsState)
+    for i in range(200):
+        x = torch.full((3,), float(i))
+        for m in (offloaded, plain):
+            if i % 3:
+                m.update(x)
+            else:
+                with torch.no_grad():
+                    m.update(x)
+    assert_same_values(offloaded.compute(), plain.compute())
+    assert sum(counts) == 200 and max(counts) > 1  # back to back, some went together
+
+
+def test_an_update_that_raises_among_updates_sent_together_stops_the_ones_after_it(monkeypatch):
+    counts = _updates_per_message(monkeypatch)
+    offloaded, plain = _pair(Fails)
+    values = [torch.ones(2)] * 30 + [-torch.ones(2)] + [torch.ones(2)] * 30
+    for x in values[:30]:
+        plain.update(x)
+    with pytest.raises(ValueError, match="Expected non-negative values"):
+        plain.update(values[30])
+    with pytest.raises(ValueError, match=r"^Fails.update raised in lightning-store's offload worker, at update #31"):
+        for x in values:
+            offloaded.update(x)
+        offloaded.compute()
+    assert max(counts) > 1
+    assert_same_values((offloaded.compute(), offloaded.update_count), (plain.compute(), plain.update_count))
+
+
+class WarnsOnNaN(CatMetric):
+    """Warns on a NaN, as `CatMetric(nan_strategy="warn")`; an update of a negative value keeps the worker busy."""
+
+    def __init__(self):
+        super().__init__(nan_strategy="warn")
+
+    def update(self, value: Tensor) -> None:
+        if (value < 0).any():
+            time.sleep(0.5)  # the calls after it are held here, not sent yet
+        super().update(value)
+
+
+def test_an_update_held_here_warns_with_the_filters_at_its_call():
+    offloaded = offload_to_cpu(WarnsOnNaN(), worker="process")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offloaded.update(-torch.ones(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            offloaded.update(torch.tensor([float("nan")]))  # ignored here: ignored in the worker too
+        assert len(_process_worker().outbox) == 1  # held, to go with the next ones
+        offloaded.update(torch.tensor([float("nan"), 2.0]))
+        offloaded.compute()
+    assert [str(w.message).rsplit("(given by ", 1)[-1] for w in caught] == [
+        "WarnsOnNaN.update #3, which ran in lightning-store's offload worker)"
+    ]
+
+
+def test_a_message_sent_after_updates_held_here_goes_after_them(monkeypatch):
+    from lightning_store.metrics._offload.process import messages
+    from lightning_store.metrics._offload.process.parent import _ProcessWorker
+
+    kinds, send_bytes = [], _ProcessWorker.send_bytes
+
+    def recorded(self, payload, start=False):
+        kinds.append(type(messages._read(pickle.loads(payload))).__name__)
+        send_bytes(self, payload, start)
+
+    monkeypatch.setattr(_ProcessWorker, "send_bytes", recorded)
+    offloaded, plain = _pair(WarnsOnNaN)
+    values = (-torch.ones(1), torch.ones(1))
+    for x in values:
+        offloaded.update(x)
+    assert len(_process_worker().outbox) == 1  # the second, held while the worker process runs the first
+    _process_worker().send(messages._Resume(_queue_of(offloaded).id))
+    assert kinds[-2:] == ["_Updates", "_Resume"] and not _process_worker().outbox
+    for x in values:
+        plain.update(x)
+    assert_same_values(offloaded.compute(), plain.compute())

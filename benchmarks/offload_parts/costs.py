@@ -19,7 +19,7 @@ from lightning_store.metrics._offload.caller_state import _CallerState
 from lightning_store.metrics._offload.draws import _drawn, _host_states
 from lightning_store.metrics._offload.inputs import _start_copies
 from lightning_store.metrics._offload.process.inputs import _Outgoing
-from lightning_store.metrics._offload.process.messages import _Update, _wire
+from lightning_store.metrics._offload.process.messages import _Updates, _wire
 from lightning_store.metrics._offload.thread.queue import _as_at_the_call
 from offload_parts.report import WORKERS, Report, Row, shuffled
 from offload_parts.saves import binary, multiclass
@@ -124,7 +124,7 @@ def _handover_parts(scalars: list[Tensor]) -> str:
     inputs = pickle.dumps(_Outgoing((scalars[0],), {}).inputs, pickle.HIGHEST_PROTOCOL)
     timed(
         "process: the message pickled",
-        lambda i: pickle.dumps(_wire(_Update(1, 1, "", inputs, None)), pickle.HIGHEST_PROTOCOL),
+        lambda i: pickle.dumps(_wire(_Updates([(1, 1, "", inputs, None)])), pickle.HIGHEST_PROTOCOL),
     )
     timed("either: the torch state", lambda i: _CallerState())
     return "the hand-over's parts, per update: " + ", ".join(f"{k} {v * 1e6:.1f} µs" for k, v in timings.items())

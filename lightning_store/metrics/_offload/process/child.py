@@ -3,9 +3,7 @@
 import functools
 import os
 import pickle
-import queue
 import signal
-import threading
 import time
 import traceback
 import warnings
@@ -16,6 +14,7 @@ from torch.nn import Module
 
 from lightning_store.metrics._offload.draws import _drawn, _host_states, _HostStates
 from lightning_store.metrics._offload.process import pickling as _pickling
+from lightning_store.metrics._offload.process.answers import _Answers
 from lightning_store.metrics._offload.process.arena import _Arena
 from lightning_store.metrics._offload.process.defaults import _changed_defaults, _Held, _held, _made_from
 from lightning_store.metrics._offload.process.inputs import _read_inputs
@@ -36,8 +35,7 @@ from lightning_store.metrics._offload.process.messages import (
     _Resume,
     _States,
     _Stop,
-    _Update,
-    _wire,
+    _Updates,
 )
 from lightning_store.metrics._offload.workers import _Inline
 
@@ -63,14 +61,13 @@ def _serve(conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
     server = _ChildServer(conn)
-    server.outbox.put(_Ready())
+    server.answers.put(_Ready())
     try:
         with _Inline():  # the offloaded objects here run their own methods
             server.run()
     except BaseException as error:
-        server.outbox.put(_Fatal(_error_info(error)))
-        server.outbox.put(None)
-        server.sender.join(_WATCH_S)
+        server.answers.put(_Fatal(_error_info(error)))
+        server.answers.close(_WATCH_S)
         raise
 
 
@@ -87,7 +84,7 @@ def _keep_freed_memory() -> None:
 
 
 class _ChildServer:
-    """What the worker process does: take the parent's messages in order, and answer them from a thread of its own."""
+    """What the worker process does: take the parent's messages in order, run them, and answer (``answers.py``)."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -99,19 +96,9 @@ class _ChildServer:
         self.state: Any = None  # the caller's torch state of the last update
         # the generators' states after the last update, while nothing else ran: the next update's states before it
         self.generators: _HostStates | None = None
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.answers = _Answers(conn)
         self.readable = _Readable(conn)
         self.ran: list[tuple] = []  # the `_Done`s not sent yet, in order
-        # answers go out from a thread of their own: this one keeps reading, so neither side waits on a full pipe
-        self.sender = threading.Thread(target=self._send_all, name="lightning-store-answers", daemon=True)
-        self.sender.start()
-
-    def _send_all(self) -> None:
-        while (message := self.outbox.get()) is not None:
-            try:
-                self.conn.send(_wire(message))
-            except (OSError, ValueError):
-                return
 
     def run(self) -> None:
         parent = os.getppid()
@@ -125,13 +112,14 @@ class _ChildServer:
                 message = _read(self.conn.recv())
             except (EOFError, OSError):
                 return
-            if type(message) is not _Update:  # what another message runs may draw: read afresh at the next update
+            if type(message) is not _Updates:  # what another message runs may draw: read afresh at the next update
                 self.generators = None
             match message:
-                case _Update(object_id, number, path, inputs, state):
-                    if state is not None:  # else the same as the last update's
-                        self.state = state
-                    self._run(object_id, number, path, inputs, self.state, "update", spent=True)
+                case _Updates(updates):
+                    for object_id, number, path, inputs, state in updates:
+                        if state is not None:  # else the same as the last update's
+                            self.state = state
+                        self._run(object_id, number, path, inputs, self.state, "update", spent=True)
                 case _Call(object_id, path, method, args):
                     self._run(object_id, None, path, ((), {}), None, method, spent=False, call_args=args)
                 case _Replace(object_id, payload):
@@ -151,8 +139,7 @@ class _ChildServer:
                     warnings.filters[:] = filters  # type: ignore[index]
                 case _Stop():
                     self._answer()
-                    self.outbox.put(None)
-                    self.sender.join(1)
+                    self.answers.close(1)
                     return
                 case _:
                     raise ValueError(f"not a message for lightning-store's offload worker process: {message!r}")
@@ -203,13 +190,13 @@ class _ChildServer:
     def _answer(self) -> None:
         """Send what ran since the last answer."""
         if self.ran:
-            self.outbox.put(_Ran(self.ran))
+            self.answers.put(_Ran(self.ran))
             self.ran = []
 
     def _put(self, message: Any) -> None:
         """Send ``message`` after what ran before it."""
         self._answer()
-        self.outbox.put(message)
+        self.answers.put(message)
 
     def _pull(self, object_id: int) -> None:
         obj = self.objects.get(object_id)

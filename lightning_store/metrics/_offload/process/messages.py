@@ -3,7 +3,9 @@
 To the worker process, in the order sent through the pipe:
 
 - ``_Replace``: a copy of an offloaded object (pickled), which it takes in place of the one it holds;
-- ``_Update``: an update of one of its Modules, its inputs pickled at the call (their tensors in a shared arena);
+- ``_Updates``: updates of its Modules, in order, each an ``_Update``: its inputs pickled at the call (their
+  tensors in a shared arena). One message for several updates while it has updates to run: each message costs both
+  processes a pipe's write or read, and the worker process would only queue them;
 - ``_Call``: a call of a Module's own method after the updates sent before (a collection's copy of its states);
 - ``_Pull``: a read: send the object's states back;
 - ``_Drop``: the object is gone here: free its copy;
@@ -21,7 +23,8 @@ From the worker process, in the order it made them:
 - ``_Ran``: the updates and calls run since the last one, in order, each a ``_Done``: what it raised, warned and
   drew, or that it was not run after a failed one. One answer for a run of updates, sent once no message waits,
   after an update that failed or drew, or every ``_RAN_AT_ONCE`` updates: answered one by one, an update costs
-  both processes a pipe's round trip.
+  both processes a pipe's round trip; answered only once caught up, the parent, whose queue is full by then, waits
+  for the whole run and the worker process then waits for its next update.
 
 A message goes as its kind's number and its fields (:func:`_wire`, :func:`_read`): a class pickles and unpickles
 through Python code, about 3 us each way against under 1 us for a tuple, and an update is sent, and answered, at
@@ -37,12 +40,16 @@ class _Replace(NamedTuple):
     payload: bytes
 
 
-class _Update(NamedTuple):
+class _Update(NamedTuple):  # one of `_Updates`'s, sent as its fields
     object_id: int
     number: int
     path: str
     inputs: bytes
     state: Any  # the caller's torch state, or None: the same as the last update's
+
+
+class _Updates(NamedTuple):
+    updates: list[tuple]  # each an `_Update`'s fields
 
 
 class _Call(NamedTuple):
@@ -110,11 +117,11 @@ class _Ran(NamedTuple):
     done: list[tuple]  # each a `_Done`'s fields
 
 
-_RAN_AT_ONCE = 64
+_RAN_AT_ONCE = 4  # half the default `max_pending`: the parent gets room before its queue is full
 
 
 _KINDS: tuple[type, ...] = (
-    *(_Replace, _Update, _Call, _Pull, _Drop, _Forget, _Resume, _Filters, _Stop),
+    *(_Replace, _Updates, _Call, _Pull, _Drop, _Forget, _Resume, _Filters, _Stop),
     *(_Ready, _Fatal, _States, _Broken, _Ran),
 )
 _NUMBER = {kind: number for number, kind in enumerate(_KINDS)}

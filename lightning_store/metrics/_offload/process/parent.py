@@ -7,7 +7,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from lightning_store.metrics._offload.caller_state import _CallerState
 from lightning_store.metrics._offload.process import messages as _messages
@@ -34,8 +34,20 @@ class _Offloaded(Protocol):
     def dropped_at_exit(self, count: int = 1) -> None: ...
 
 
+class _Queued(NamedTuple):
+    """An update in the outbox: what it is sent with, once its inputs have landed."""
+
+    head: tuple[int, int, str]  # the object's id, the update's number, its Module's path in the object
+    outgoing: _Outgoing
+    state: _CallerState  # the caller's torch state at the call
+    filters: tuple  # the warnings filters at the call: the update warns as it would have there
+    arena: _Arena | None
+    inputs: bytes
+
+
 _LIVENESS_S = 5.0  # as torch's DataLoader: a wait for an answer looks this often whether the worker process lives
 _IDLE_S = 10.0  # once every offloaded object is gone, the worker process ends after this (a new one starts if need be)
+_SENT_AT_ONCE = 4  # updates: held for one message, at most, while the worker process has updates to run
 
 
 class _ProcessWorker:
@@ -52,9 +64,10 @@ class _ProcessWorker:
         self.queues: weakref.WeakValueDictionary[int, _Offloaded] = weakref.WeakValueDictionary()
         self.ids = 0
         self.space = _Space(self._forget)  # the arenas of the updates' inputs
-        self.outbox: deque[tuple[tuple[int, int, str], _Outgoing, _CallerState, _Arena | None, bytes]] = deque()
+        self.outbox: deque[_Queued] = deque()
         self.filters: tuple = ()  # the warnings filters the worker process has
         self.state: _CallerState | None = None  # the caller's torch state the worker process has
+        self.running = 0  # the updates sent, not answered yet
         self.pulled: dict[int, tuple[bytes | None, tuple | None]] = {}  # a read's answer: the states, or an error
         self.to_drop: list[int] = []
         self.stopping = False
@@ -102,7 +115,12 @@ class _ProcessWorker:
         _PROCESS.started()
 
     def send(self, message: Any, start: bool = False) -> None:
-        """Send ``message`` (one of ``messages``'), as :meth:`send_bytes`."""
+        """Send ``message`` (one of ``messages``'), as :meth:`send_bytes`, after the updates held (:meth:`flush`)."""
+        if self.outbox and self.conn is not None:
+            self.flush(wait=False)
+        self._send_now(message, start)
+
+    def _send_now(self, message: Any, start: bool = False) -> None:
         self.send_bytes(pickle.dumps(_messages._wire(message)), start)
 
     def send_bytes(self, payload: bytes, start: bool = False) -> None:
@@ -146,34 +164,58 @@ class _ProcessWorker:
             outgoing.release()
             raise
         self.space.sent(arena)
-        self.outbox.append((head, outgoing, state, arena, inputs))
+        self.outbox.append(_Queued(head, outgoing, state, tuple(warnings.filters), arena, inputs))
 
     def unqueue_last(self) -> None:
         """Take back the update last queued, not sent (its object was lost while it waited for space)."""
-        _, outgoing, _, _, _ = self.outbox.pop()
+        queued = self.outbox.pop()
         self.space.unsent()
-        outgoing.release()
+        queued.outgoing.release()
 
     def send_call(self, message: Any) -> None:
         self.flush()  # after every update queued before it
         self.send(message)
 
-    def flush(self, wait: bool = True) -> None:
-        """Send the updates whose inputs have landed, in order (with ``wait``, all of them)."""
-        while self.outbox and (wait or self.outbox[0][1].ready()):
-            head, outgoing, state, arena, inputs = self.outbox.popleft()
-            if arena is not None:
-                outgoing.land(arena)
-            filters = tuple(warnings.filters)
-            if filters != self.filters:  # the update warns as it would here
-                self.send(_messages._Filters([entry for entry in filters if _pickling.pickles(entry)]))
-                self.filters = filters
-            same = state == self.state  # most often: sent once, and the worker process keeps it
-            self.state = state
-            update = _messages._Update(*head, inputs, None if same else state)
-            self.send_bytes(pickle.dumps(_messages._wire(update), pickle.HIGHEST_PROTOCOL))
+    def flush(self, wait: bool = True, hold: bool = False) -> None:
+        """Send the updates whose inputs have landed, in order, in one message (with ``wait``, all of them).
+
+        With ``hold`` (at an update's call), while the worker process has updates to run, fewer than
+        ``_SENT_AT_ONCE`` landed updates are held for the next call, read or wait: one message costs both processes
+        a write or a read of the pipe, and the worker process would only queue them.
+        """
+        landed = 0
+        while landed < len(self.outbox) and (wait or self.outbox[landed].outgoing.ready()):
+            landed += 1
+        if not landed or (hold and self.running and landed < _SENT_AT_ONCE):
+            return
+        updates: list[tuple] = []
+        for _ in range(landed):
             if self.conn is None:  # the worker process was lost: the updates left are too
                 return
+            queued = self.outbox.popleft()
+            if queued.arena is not None:
+                queued.outgoing.land(queued.arena)
+            if queued.filters != self.filters:  # the updates before go with the filters before
+                self._send_updates(updates)
+                updates = []
+                self._send_now(_messages._Filters([entry for entry in queued.filters if _pickling.pickles(entry)]))
+                self.filters = queued.filters
+            same = queued.state == self.state  # most often: sent once, and the worker process keeps it
+            self.state = queued.state
+            updates.append((*queued.head, queued.inputs, None if same else queued.state))
+        self._send_updates(updates)
+
+    def _send_updates(self, updates: list[tuple]) -> None:
+        if updates and self.conn is not None:  # else the worker process was lost, and the updates with it
+            self.running += len(updates)
+            self.send_bytes(pickle.dumps(_messages._wire(_messages._Updates(updates)), pickle.HIGHEST_PROTOCOL))
+
+    def wait_for_room(self) -> None:
+        """Send the updates held, and wait for the next answer: an update's call whose queue is full."""
+        self.flush(wait=False)
+        if not self.running:  # what is pending waits for its device copies: they are waited for
+            self.flush()
+        self.receive()
 
     def _wait_for_answer(self) -> None:
         self.flush()
@@ -205,8 +247,9 @@ class _ProcessWorker:
         match message:
             case _messages._Ran(done):
                 for answer in map(_messages._Done._make, done):
-                    if answer.spent:
+                    if answer.spent:  # an update's
                         self.space.answered()
+                        self.running -= 1
                     queue = self.queues.get(answer.object_id)
                     if queue is not None:
                         queue.on_done(answer)
@@ -252,14 +295,15 @@ class _ProcessWorker:
 
     def _forget_worker(self, close: bool = True) -> None:
         """Start afresh at the next message: no worker process, no arena, nothing sent (the pipe closed)."""
-        for _, outgoing, _, _, _ in self.outbox:
-            outgoing.release()
+        for queued in self.outbox:
+            queued.outgoing.release()
         self.space.close()
         if self.conn is not None and close:
             with contextlib.suppress(OSError):
                 self.conn.close()
         self.conn, self.readable, self.process, self.outbox = None, None, None, deque()
         self.filters, self.state, self.ready, self.fatal, self.pulled = (), None, False, None, {}
+        self.running = 0
         self.generation += 1
 
     def stop(self) -> None:

@@ -63,7 +63,9 @@ class _ProcessQueue(_Queue):
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
         called = time.perf_counter()
         worker = _process_worker()
-        if self.pending:  # the answers that arrived: an update that failed is said at this call, as with a thread
+        # the answers that arrived: an update that failed is said at this call, as with a thread; and whether the
+        # worker process has updates to run (of any Metric), for `flush` to send this one at once if not
+        if self.pending or worker.running:
             with worker.lock:
                 worker.receive_ready()
         self.report()
@@ -86,7 +88,7 @@ class _ProcessQueue(_Queue):
         outgoing = _Outgoing(args, kwargs)
         with worker.lock:
             self._send_root()
-            waited = _wait_for_room(self, worker.receive, worker.receive_ready)
+            waited = _wait_for_room(self, worker.wait_for_room, worker.receive_ready)
             if self.lost is not None:  # lost while it waited
                 self.report()
             head = (self.id, self.queued + 1, path)
@@ -100,7 +102,7 @@ class _ProcessQueue(_Queue):
             self.pending += 1
             self.queued += 1
             self.ahead_there = True
-            worker.flush(wait=False)
+            worker.flush(wait=False, hold=True)
         self._count_call(called, waited)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:
