@@ -5,7 +5,11 @@ in ``training_step``; offloaded to a worker thread, its update runs while the st
 the case offloading is for: the update (about 20 ms here, mostly torch ops) is shorter than the step (about 40
 ms), and far longer than handing it to the worker (under 1 ms). The values are the plain Metric's, bit for bit;
 the storage report, taken during the fit, shows each offloaded Metric with its pending updates. Each epoch is
-timed: the first one also starts the worker.
+timed, inline and offloaded.
+
+A model on the CPU runs tensor ops in its step, which a worker thread does not slow: it starts at once. With the
+default worker, a process, the later epochs are shorter still, but the first one also pays the seconds the worker
+process takes to start, which a fit of three short epochs does not win back.
 
     python examples/offload_to_cpu.py
 """

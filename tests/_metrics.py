@@ -6,6 +6,7 @@ Metric, so a test can compare the configured one with the plain one, fed the sam
 
 import os
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -178,6 +179,18 @@ class NotMadeWhile(SumMetric):
         if os.path.exists(state["path"]):
             raise ImportError(f"not made while {state['path']} is there")
         super().__setstate__(state)
+
+
+class SlowSum(SumMetric):
+    """A sum whose update takes ``seconds``: the worker process is still busy with it at the next call."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def update(self, value: Any) -> None:
+        time.sleep(self.seconds)
+        super().update(value)
 
 
 def made_in_inference_mode(make: Callable[[], Tensor]) -> Tensor:

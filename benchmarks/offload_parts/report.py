@@ -23,6 +23,7 @@ class Row:
     goal: float | None = None
     base: list[float] = field(default_factory=list)
     absolute_goal: float | None = None  # in seconds, against the offloaded median, where a ratio is not the goal
+    added_goal: float | None = None  # in seconds, against the median over rounds of offloaded less baseline
     offloaded: list[float] = field(default_factory=list)
 
 
@@ -81,6 +82,12 @@ def goals(rows: list[Row]) -> list[str]:
             found.append(
                 f"part {row.part}, {row.what}: {median * row.scale:.3g} {row.unit} <= {row.absolute_goal * row.scale:g}"
                 f" {row.unit}: {_met(median <= row.absolute_goal)}"
+            )
+        if row.added_goal is not None:
+            added = statistics.median(o - b for o, b in zip(row.offloaded, row.base, strict=True))
+            found.append(
+                f"part {row.part}, {row.what}: {added * row.scale:+.3g} {row.unit} over the baseline <="
+                f" {row.added_goal * row.scale:g} {row.unit}: {_met(added <= row.added_goal)}"
             )
     return found
 

@@ -162,6 +162,20 @@ class _CallerState:
             if default_dtype and dtype != self.default_dtype:
                 torch.set_default_dtype(dtype)
 
+    def in_force(self, default_dtype: bool = False) -> bool:
+        """Whether this thread is in this state already, so that :meth:`applied` would change nothing.
+
+        Args:
+            default_dtype: whether torch's default dtype counts (see :meth:`applied`).
+        """
+        return (
+            torch.get_num_threads() == self.threads
+            and _flushes_subnormals() == self.flush
+            and (not default_dtype or torch.get_default_dtype() == self.default_dtype)
+            and self._in_modes()
+            and _carried_keys() == self.keys
+        )
+
     def _in_modes(self) -> bool:
         """Whether this thread is in the caller's inference and grad modes, with autocast off as the caller's."""
         return (

@@ -81,6 +81,10 @@ class _Queue:
         """Whether the worker has updates this process's objects do not show yet."""
         raise NotImplementedError
 
+    def waiting(self) -> int:
+        """How many of this queue's updates wait for the worker (the bound ``max_pending`` is on these)."""
+        return self.pending
+
     def settle(self) -> None:
         """Wait until every queued update has run and shows here; then report what they raised, warned or drew."""
         raise NotImplementedError
@@ -176,12 +180,12 @@ def _wait_for_room(queue: _Queue, wait: Callable[[], Any], take_done: Callable[[
     ``take_done`` first takes, without waiting, what says that updates have run (a worker process's answers, read
     only when this process looks): a queue full only until then had room.
     """
-    if queue.pending >= queue.max_pending and take_done is not None:
+    if queue.waiting() >= queue.max_pending and take_done is not None:
         take_done()
-    if queue.pending < queue.max_pending:
+    if queue.waiting() < queue.max_pending:
         return None
     started = time.perf_counter()
-    while queue.pending >= queue.max_pending:
+    while queue.waiting() >= queue.max_pending:
         wait()
     return time.perf_counter() - started
 

@@ -1,5 +1,6 @@
 """The worker process: a copy of each object offloaded to it, whose updates it runs in order; it sends their states."""
 
+import contextlib
 import functools
 import os
 import pickle
@@ -17,9 +18,10 @@ from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.answers import _Answers
 from lightning_store.metrics._offload.process.arena import _Arena
 from lightning_store.metrics._offload.process.defaults import _changed_defaults, _Held, _held, _made_from
-from lightning_store.metrics._offload.process.inputs import _read_inputs
+from lightning_store.metrics._offload.process.inputs import _read_inputs, _read_whole
 from lightning_store.metrics._offload.process.messages import (
     _RAN_AT_ONCE,
+    _Ask,
     _Broken,
     _Call,
     _Drop,
@@ -37,6 +39,7 @@ from lightning_store.metrics._offload.process.messages import (
     _Stop,
     _Updates,
 )
+from lightning_store.metrics._offload.process.progress import _Progress
 from lightning_store.metrics._offload.workers import _Inline
 
 _MODULE_OWN = frozenset(vars(Module())) | {"_offload", "_defaults", "_persistent", "_reductions"}
@@ -52,7 +55,7 @@ class _Arenas(dict):
         return arena
 
 
-def _serve(conn: Any) -> None:
+def _serve(conn: Any, progress: str) -> None:
     """Run until the parent says stop, or goes away; an error that ends it is sent to the parent first.
 
     Ctrl-C in a terminal interrupts the whole process group: the parent hears it, and this process, which the parent
@@ -60,7 +63,7 @@ def _serve(conn: Any) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
-    server = _ChildServer(conn)
+    server = _ChildServer(conn, _Progress(progress))
     server.answers.put(_Ready())
     try:
         with _Inline():  # the offloaded objects here run their own methods
@@ -86,14 +89,18 @@ def _keep_freed_memory() -> None:
 class _ChildServer:
     """What the worker process does: take the parent's messages in order, run them, and answer (``answers.py``)."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, progress: _Progress) -> None:
         self.conn = conn
+        self.progress = progress  # how many updates this process has run, for the parent to read
+        self.updates_run = 0
         self.objects: dict[int, Module] = {}
         self.defaults: dict[int, _Held] = {}  # each object's defaults, as sent: the parent sends them as references
         self.broken: dict[int, tuple] = {}  # an object that could not be made here: the error, for each update
         self.failed: set[int] = set()  # an object whose update failed: its next updates are not run, until resumed
         self.arenas = _Arenas()
         self.state: Any = None  # the caller's torch state of the last update
+        # a caller's state this thread is in (nothing to apply for it), while nothing else ran
+        self.in_force: Any = None
         # the generators' states after the last update, while nothing else ran: the next update's states before it
         self.generators: _HostStates | None = None
         self.answers = _Answers(conn)
@@ -103,8 +110,6 @@ class _ChildServer:
     def run(self) -> None:
         parent = os.getppid()
         while True:
-            if self.ran and not self.readable(0):  # caught up with the parent: what ran goes back
-                self._answer()
             try:
                 while not self.readable(_WATCH_S):
                     if os.getppid() != parent:  # the parent is gone (its end of the pipe may live in a fork of it)
@@ -137,6 +142,8 @@ class _ChildServer:
                     self.failed.discard(object_id)
                 case _Filters(filters):
                     warnings.filters[:] = filters  # type: ignore[index]
+                case _Ask():
+                    self._answer()
                 case _Stop():
                     self._answer()
                     self.answers.close(1)
@@ -178,13 +185,19 @@ class _ChildServer:
             self.failed.add(object_id)
         elif not discarded:
             target = self.objects[object_id].get_submodule(path) if path else self.objects[object_id]
-            ran = _run_one(target, method, inputs, state, call_args, self.arenas, self.generators)
+            in_force = state is not None and state is self.in_force and self.generators is not None
+            ran = _run_one(target, method, inputs, state, call_args, self.arenas, self.generators, in_force)
             error, kept, drawn, update_s, states = ran
+            if state is not None and not in_force:  # this thread in the caller's state: the next update's, often
+                self.in_force = state if state.in_force(default_dtype=True) else None
             if error is not None or drawn:
                 self.failed.add(object_id)
         self.generators = states if error is None and not drawn else None
         self.ran.append((object_id, number, error, kept, drawn, discarded, spent, update_s))
-        if error is not None or drawn or len(self.ran) >= _RAN_AT_ONCE:
+        if spent:
+            self.updates_run += 1
+            self.progress.write(self.updates_run)
+        if error is not None or drawn or kept or len(self.ran) >= _RAN_AT_ONCE:
             self._answer()
 
     def _answer(self) -> None:
@@ -221,24 +234,28 @@ def _run_one(
     call_args: tuple,
     arenas: _Arenas,
     before: _HostStates | None,
+    in_force: bool = False,
 ) -> tuple:
     """Run ``target.method`` on the inputs: what it raised, the warnings it gave, the generators it drew from.
 
     And the seconds its ``update`` took (``0.0`` for another method): the work moved off the caller's step; and the
     generators' states after the update (``None`` for another method). ``before`` is their states after the update
     run last, if nothing ran since: unpickling the inputs and applying the caller's state draw nothing, so they are
-    this update's states before it, which are then not read again (5 to 7 µs a read).
+    this update's states before it, which are then not read again (5 to 7 µs a read). ``in_force``: this thread is
+    in the caller's ``state`` already (the last update's, which found nothing to apply), which is not applied again.
     """
     error, drawn, update_s, after = None, [], 0.0, None
     with warnings.catch_warnings(record=True) as caught:
         try:
-            if isinstance(inputs, bytes):  # an update's, pickled at its call
-                inputs = pickle.loads(inputs)
-            args, kwargs = _read_inputs(inputs, arenas.__getitem__)
+            if isinstance(inputs, list):  # an update's whole CPU tensors (`inputs._Whole`)
+                args, kwargs = _read_whole(inputs, arenas.__getitem__)
+            else:  # an update's, pickled at its call; a call's, as they are
+                inputs = pickle.loads(inputs) if isinstance(inputs, bytes) else inputs
+                args, kwargs = _read_inputs(inputs, arenas.__getitem__)
             if state is None:
                 getattr(target, method)(*call_args)
             else:
-                with state.applied(default_dtype=True):
+                with contextlib.nullcontext() if in_force else state.applied(default_dtype=True):
                     if before is None:  # no other thread draws here: a change is the update's
                         before = _host_states(torch_too=True)
                     started = time.perf_counter()

@@ -12,6 +12,7 @@ To the worker process, in the order sent through the pipe:
 - ``_Forget``: an arena is closed here: close it there too;
 - ``_Resume``: the error of an update was raised here: run the object's updates again;
 - ``_Filters``: the warnings filters of this process, for the updates to warn as they would here;
+- ``_Ask``: this process waits for an answer: send what ran now;
 - ``_Stop``: end (at exit, or once no offloaded object is left).
 
 From the worker process, in the order it made them:
@@ -21,10 +22,11 @@ From the worker process, in the order it made them:
 - ``_States``: a read's answer, the states or the error that kept them from being sent;
 - ``_Broken``: the copy of an object could not be made there (its class cannot be imported, say);
 - ``_Ran``: the updates and calls run since the last one, in order, each a ``_Done``: what it raised, warned and
-  drew, or that it was not run after a failed one. One answer for a run of updates, sent once no message waits,
-  after an update that failed or drew, or every ``_RAN_AT_ONCE`` updates: answered one by one, an update costs
-  both processes a pipe's round trip; answered only once caught up, the parent, whose queue is full by then, waits
-  for the whole run and the worker process then waits for its next update.
+  drew, or that it was not run after a failed one. One answer for a run of updates: at once after an update that
+  failed, drew or warned (said at the parent's next call, as with a thread), every ``_RAN_AT_ONCE`` updates (the
+  parent gets room in its queue before it is full), and when the parent asks (``_Ask``: it waits for one). Not
+  once caught up: a worker process that keeps up with the step would then answer every update, and the parent
+  read an answer at every call.
 
 A message goes as its kind's number and its fields (:func:`_wire`, :func:`_read`): a class pickles and unpickles
 through Python code, about 3 us each way against under 1 us for a tuple, and an update is sent, and answered, at
@@ -79,6 +81,10 @@ class _Filters(NamedTuple):
     filters: list
 
 
+class _Ask(NamedTuple):
+    pass
+
+
 class _Stop(NamedTuple):
     pass
 
@@ -121,7 +127,7 @@ _RAN_AT_ONCE = 4  # half the default `max_pending`: the parent gets room before 
 
 
 _KINDS: tuple[type, ...] = (
-    *(_Replace, _Updates, _Call, _Pull, _Drop, _Forget, _Resume, _Filters, _Stop),
+    *(_Replace, _Updates, _Call, _Pull, _Drop, _Forget, _Resume, _Filters, _Stop, _Ask),
     *(_Ready, _Fatal, _States, _Broken, _Ran),
 )
 _NUMBER = {kind: number for number, kind in enumerate(_KINDS)}

@@ -15,6 +15,7 @@ from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _Arena, _Space
 from lightning_store.metrics._offload.process.ended import _check_main_runs_again, _why_ended
 from lightning_store.metrics._offload.process.inputs import _Outgoing
+from lightning_store.metrics._offload.process.progress import _Progress
 from lightning_store.metrics._offload.workers import _PerProcess
 
 
@@ -42,11 +43,12 @@ class _Queued(NamedTuple):
     state: _CallerState  # the caller's torch state at the call
     filters: tuple  # the warnings filters at the call: the update warns as it would have there
     arena: _Arena | None
-    inputs: bytes
+    inputs: bytes | list  # pickled, or described as plain values (`inputs._Whole`)
 
 
 _LIVENESS_S = 5.0  # as torch's DataLoader: a wait for an answer looks this often whether the worker process lives
 _IDLE_S = 10.0  # once every offloaded object is gone, the worker process ends after this (a new one starts if need be)
+_ASK = pickle.dumps(_messages._wire(_messages._Ask()))
 _SENT_AT_ONCE = 4  # updates: held for one message, at most, while the worker process has updates to run
 
 
@@ -68,6 +70,9 @@ class _ProcessWorker:
         self.filters: tuple = ()  # the warnings filters the worker process has
         self.state: _CallerState | None = None  # the caller's torch state the worker process has
         self.running = 0  # the updates sent, not answered yet
+        self.sent_updates = 0  # the updates sent to this worker process, in all
+        self.progress: _Progress | None = None  # how many of them it has run
+        self.asked = False  # whether the worker process was asked for an answer since its last one
         self.pulled: dict[int, tuple[bytes | None, tuple | None]] = {}  # a read's answer: the states, or an error
         self.to_drop: list[int] = []
         self.stopping = False
@@ -109,7 +114,10 @@ class _ProcessWorker:
         context = multiprocessing.get_context("spawn")
         self.conn, theirs = context.Pipe()
         self.readable = _messages._Readable(self.conn)
-        self.process = context.Process(target=_serve, args=(theirs,), name="lightning-store-offload", daemon=True)
+        self.progress, self.sent_updates = _Progress(), 0
+        self.process = context.Process(
+            target=_serve, args=(theirs, self.progress.name), name="lightning-store-offload", daemon=True
+        )
         self.process.start()
         theirs.close()
         _PROCESS.started()
@@ -186,7 +194,7 @@ class _ProcessWorker:
         landed = 0
         while landed < len(self.outbox) and (wait or self.outbox[landed].outgoing.ready()):
             landed += 1
-        if not landed or (hold and self.running and landed < _SENT_AT_ONCE):
+        if not landed or (hold and self.busy() and landed < _SENT_AT_ONCE):
             return
         updates: list[tuple] = []
         for _ in range(landed):
@@ -205,9 +213,18 @@ class _ProcessWorker:
             updates.append((*queued.head, queued.inputs, None if same else queued.state))
         self._send_updates(updates)
 
+    def busy(self) -> bool:
+        """Whether the worker process has updates sent to it still to run (read in shared memory: no message)."""
+        return self.progress is not None and self.progress.read() < self.sent_updates
+
+    def caught_up(self) -> bool:
+        """Whether every update queued has run there: none held here, none sent and still to run."""
+        return not self.outbox and not self.busy()
+
     def _send_updates(self, updates: list[tuple]) -> None:
         if updates and self.conn is not None:  # else the worker process was lost, and the updates with it
             self.running += len(updates)
+            self.sent_updates += len(updates)
             self.send_bytes(pickle.dumps(_messages._wire(_messages._Updates(updates)), pickle.HIGHEST_PROTOCOL))
 
     def wait_for_room(self) -> None:
@@ -226,8 +243,15 @@ class _ProcessWorker:
         arena.close(unlink=True)
 
     def receive(self) -> None:
-        """Wait for the next answer of the worker process, and take it; looking every few seconds that it lives."""
+        """Wait for the next answer of the worker process, and take it; looking every few seconds that it lives.
+
+        The worker process answers every ``_RAN_AT_ONCE`` updates run, and the rest once asked (``_Ask``): it is
+        asked here, once an answer, if none waits and fewer updates than that are unanswered.
+        """
         try:
+            if 0 < self.running < _messages._RAN_AT_ONCE and not self.asked and not self._answered(0):
+                self.asked = True
+                self.send_bytes(_ASK)
             while not self._answered(_LIVENESS_S):
                 if not self.process.is_alive() and not self._answered(0):
                     raise EOFError  # its end of the pipe lives on in a fork of this process, say
@@ -246,6 +270,7 @@ class _ProcessWorker:
     def _take(self, message: Any) -> None:
         match message:
             case _messages._Ran(done):
+                self.asked = False
                 for answer in map(_messages._Done._make, done):
                     if answer.spent:  # an update's
                         self.space.answered()
@@ -298,12 +323,14 @@ class _ProcessWorker:
         for queued in self.outbox:
             queued.outgoing.release()
         self.space.close()
+        if self.progress is not None:
+            self.progress.close(unlink=True)
         if self.conn is not None and close:
             with contextlib.suppress(OSError):
                 self.conn.close()
-        self.conn, self.readable, self.process, self.outbox = None, None, None, deque()
+        self.conn, self.readable, self.process, self.outbox, self.progress = None, None, None, deque(), None
         self.filters, self.state, self.ready, self.fatal, self.pulled = (), None, False, None, {}
-        self.running = 0
+        self.running, self.asked = 0, False
         self.generation += 1
 
     def stop(self) -> None:
@@ -314,6 +341,8 @@ class _ProcessWorker:
         if self.conn is not None:
             _end(self.conn, self.process)
         self.space.close()  # the outbox's arenas are in flight
+        if self.progress is not None:
+            self.progress.close(unlink=True)
 
 
 def _end(conn: Any, process: Any, close: bool = False) -> None:

@@ -60,6 +60,10 @@ class _ProcessQueue(_Queue):
     def ahead(self) -> bool:
         return bool(self.pending) or self.ahead_there
 
+    def waiting(self) -> int:
+        # run there but not answered yet (the worker process answers a run of updates at once) waits for nothing
+        return 0 if _process_worker().caught_up() else self.pending
+
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
         called = time.perf_counter()
         worker = _process_worker()
