@@ -81,9 +81,11 @@ def tiny(report: Report, rounds: int, updates: int) -> None:
             ],
         ),
     }
-    total = {}
-    for name, (make, batches) in sustained.items():
-        total |= _sustained(report, name, make, batches, rounds, updates)
+    total = [
+        row
+        for name, (make, batches) in sustained.items()
+        for row in _sustained(name, make, batches, rounds, updates, report)
+    ]
     for _ in range(rounds):
         start = time.perf_counter()
         for i in range(updates):
@@ -92,13 +94,13 @@ def tiny(report: Report, rounds: int, updates: int) -> None:
         for worker in WORKERS:
             handover[worker].base.append(plain_update)
             handover[worker].offloaded.append(_handed_over(worker, scalars, 100))
-    report.rows += [*handover.values(), *total.values()]
+    report.rows += [*handover.values(), *total]
     report.notes.append(_handover_parts(scalars))
 
 
 def _sustained(
-    report: Report, name: str, make: Callable[[], Metric], batches: list[tuple], rounds: int, updates: int
-) -> dict[str, Row]:
+    name: str, make: Callable[[], Metric], batches: list[tuple], rounds: int, updates: int, report: Report
+) -> list[Row]:
     """Updates back to back, then ``compute``: the time per update offloaded against plain, by worker.
 
     The worker's own cost per update shows here: the caller does nothing else, and waits for the worker.
@@ -127,7 +129,7 @@ def _sustained(
             rows[worker].base.append(per_update["plain"])
             rows[worker].offloaded.append(per_update[worker])
             report.check(f"{name}, worker={worker!r}", values[worker], values["plain"])
-    return {f"{name}, {worker}": row for worker, row in rows.items()}
+    return list(rows.values())
 
 
 def _handover_parts(scalars: list[Tensor]) -> str:

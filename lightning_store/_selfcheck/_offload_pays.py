@@ -41,13 +41,8 @@ def _steps(metric: Metric | None, batches: list[tuple[torch.Tensor, torch.Tensor
 
 
 def _read_s(metric: Metric, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """The seconds a read (``compute``) of an offloaded Metric takes, its worker caught up with ``STEPS`` updates."""
-    metric.compute()
-    for step in range(STEPS):
-        metric.update(*batches[step % len(batches)])
-    queue = _queue_of(metric)
-    if queue is not None:
-        queue._wait()
+    """The seconds a read (``compute``) of an offloaded Metric takes, its worker caught up with ``STEPS`` steps."""
+    _steps(metric, batches)
     start = time.perf_counter()
     metric.compute()
     return time.perf_counter() - start

@@ -119,16 +119,20 @@ _FLAT = (Tensor, int, float, bool, str, type(None))  # what an update's argument
 _SMALL_BYTES = 512
 
 
-def _small_and_whole(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a small CPU tensor that starts its memory and is contiguous, aligned as torch aligns."""
+def _whole_on_cpu(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a dense CPU tensor that is contiguous and starts aligned as torch aligns."""
     return (
         tensor.is_cpu
         and tensor.layout == torch.strided
-        and tensor.numel() * tensor.element_size() <= _SMALL_BYTES
         and tensor.is_contiguous()
         and misalignment(tensor) == 0
         and not tensor.is_quantized
     )
+
+
+def _small_and_whole(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a small CPU tensor that starts its memory and is contiguous, aligned as torch aligns."""
+    return _whole_on_cpu(tensor) and tensor.numel() * tensor.element_size() <= _SMALL_BYTES
 
 
 def _map_inputs(inputs: tuple[tuple, dict], kind: type | tuple[type, ...], fn: Callable) -> tuple[tuple, dict]:

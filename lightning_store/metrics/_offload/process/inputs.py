@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from lightning_store._buffer import _Copy, _transfer_for
-from lightning_store.metrics._offload.inputs import _SMALL_BYTES, _map_inputs, _small_and_whole
-from lightning_store.metrics._offload.layout import ALIGNMENT, Flags, as_passed, flags, misalignment, spanned, unflagged
+from lightning_store.metrics._offload.inputs import _SMALL_BYTES, _map_inputs, _small_and_whole, _whole_on_cpu
+from lightning_store.metrics._offload.layout import Flags, as_passed, flags, misalignment, spanned, unflagged
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _aligned, _Arena
 from lightning_store.metrics._offload.process.pickling import _memory_of, _tensor
@@ -184,7 +184,7 @@ class _Whole:
     general path's.
     """
 
-    __slots__ = ("described", "large", "names", "nbytes", "small")
+    __slots__ = ("described", "large", "nbytes")
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> "_Whole | None":
@@ -195,8 +195,6 @@ class _Whole:
         return cls(tensors, tuple(kwargs))
 
     def __init__(self, tensors: tuple[Tensor, ...], names: tuple[str, ...]) -> None:
-        self.names = names
-        self.small: list[tuple] = []
         self.large: list[tuple[int, Tensor]] = []  # (index, tensor) of those written into the arena
         described: list[Any] = []
         for index, tensor in enumerate(tensors):
@@ -227,13 +225,9 @@ class _Whole:
 def _whole(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a non-empty dense CPU tensor that starts aligned and is contiguous, with no lazy flag."""
     return (
-        tensor.is_cpu
+        _whole_on_cpu(tensor)
         and _transfer_for(tensor.device) is None  # read as it lies now, not copied off a device first
-        and tensor.layout == torch.strided
-        and tensor.is_contiguous()
         and tensor.numel() > 0
-        and tensor.data_ptr() % ALIGNMENT == 0
-        and not tensor.is_quantized
         and not tensor.is_conj()
         and not tensor.is_neg()
         and tensor.dtype in _DTYPES
@@ -256,10 +250,7 @@ def _made(one: tuple, arenas: Callable[[str], _Arena]) -> Tensor:
         return _tensor(data, _BY_NAME[dtype], shape, stride, inference)
     name, offset, dtype, shape, stride, inference = one
     flat = arenas(name).tensor(offset, _BY_NAME[dtype], math.prod(shape))
-    if torch.is_inference_mode_enabled() == inference:
-        return flat.clone().as_strided(shape, stride)
-    with torch.inference_mode(inference):
-        return flat.clone().as_strided(shape, stride)
+    return as_passed(lambda: flat.clone().as_strided(shape, stride), (inference, False, False))
 
 
 def _dense_stride(tensor: Tensor) -> tuple[int, ...]:
