@@ -94,3 +94,28 @@ def test_the_storage_report_says_when_the_worker_falls_behind(quiet_trainer_kwar
         trainer.fit(model, DataLoader(TensorDataset(torch.ones(2 * WINDOW, 2)), batch_size=1))
     (row,) = model.rows
     assert row.name == "slow" and row.offloaded and row.worker_behind and row.waited_s > 0
+
+
+def test_a_caller_waiting_for_the_worker_thread_is_woken_once_a_run_of_updates_has_run(monkeypatch):
+    from lightning_store.metrics._offload.thread.worker import _RAN_AT_ONCE, _thread_worker
+
+    metric, plain = offload_to_cpu(Slow(), max_pending=8, worker="thread"), SumMetric()
+    metric.update(torch.ones(1))
+    metric.compute()  # the worker thread started, and idle
+    worker = _thread_worker()
+    woken = []
+    notify_all = worker.changed.notify_all
+
+    def counted() -> None:
+        woken.append(worker.is_worker_thread())
+        notify_all()
+
+    monkeypatch.setattr(worker.changed, "notify_all", counted)
+    for value in range(1, 33):  # each call comes faster than the worker runs one: the callers wait for room
+        metric.update(torch.tensor(float(value)))
+        plain.update(torch.tensor(float(value)))
+    plain.update(torch.ones(1))
+    assert torch.equal(metric.compute(), plain.compute())  # waited for the last update: woken when none is left
+    by_worker = woken.count(True)
+    # once every `_RAN_AT_ONCE` updates, and when the queue ran dry; woken after each update, it would be 32
+    assert 32 // _RAN_AT_ONCE <= by_worker <= 32 // 2

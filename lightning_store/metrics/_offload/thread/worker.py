@@ -8,6 +8,8 @@ from typing import Any, Protocol
 from lightning_store.metrics._offload.kept_warnings import _install, _uninstall
 from lightning_store.metrics._offload.workers import _local, _PerProcess
 
+_RAN_AT_ONCE = 4  # jobs run before the callers waiting are woken, while more are queued
+
 
 class _JobsQueue(Protocol):
     """What the worker thread asks of a job's queue (a ``_ThreadQueue``), which alone writes its counts."""
@@ -81,6 +83,7 @@ class _WorkerThread:
 
     def _loop(self) -> None:
         _local.inline = 1
+        unsaid = 0  # jobs run since the callers waiting were last woken
         while True:
             with self.lock:
                 while not self.jobs and not self.stopping:
@@ -95,7 +98,12 @@ class _WorkerThread:
                 with self.lock:
                     self.busy = False
                     job.queue.ran()
-                    self.changed.notify_all()
+                    unsaid += 1
+                    # a caller woken takes the interpreter lock from the updates run here: woken once a few have
+                    # run (room for as many), or when there is nothing left to run
+                    if unsaid >= _RAN_AT_ONCE or not self.jobs:
+                        unsaid = 0
+                        self.changed.notify_all()
 
     def quiesce(self) -> None:
         """Wait until every queued job has run (before a fork)."""
