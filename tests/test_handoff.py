@@ -9,8 +9,9 @@ from torchmetrics import MeanMetric, SumMetric
 
 from lightning_store import offload_to_cpu
 from lightning_store.metrics._offload.process.inputs import _Whole
-from lightning_store.metrics._offload.process.messages import _RAN_AT_ONCE
 from lightning_store.metrics._offload.process.parent import _process_worker
+from lightning_store.metrics._offload.queue import _answered_run
+from lightning_store.metrics._reads import _queue_of
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -81,17 +82,42 @@ def test_an_update_goes_at_once_to_a_worker_process_that_has_caught_up_and_waits
     assert metric.compute().item() == 6.0
 
 
-def test_the_worker_process_answers_a_short_run_of_updates_only_when_asked():
-    metric, plain = offload_to_cpu(SumMetric()), SumMetric()
+@pytest.mark.parametrize("max_pending", [None, 6, 16], ids=["default", "6", "16"])
+def test_the_worker_process_answers_a_short_run_of_updates_only_when_asked(max_pending):
+    kwargs = {} if max_pending is None else {"max_pending": max_pending}
+    metric, plain = offload_to_cpu(SumMetric(), **kwargs), SumMetric()
+    run = _answered_run(_queue_of(metric).max_pending)  # half the queue's room
+    assert run == (max_pending or 8) // 2
     metric.update(torch.tensor(0.0))
     metric.compute()
     worker = _process_worker()
-    for value in range(1, _RAN_AT_ONCE):  # fewer than a run that is answered unasked
+    for value in range(1, run):  # fewer than a run that is answered unasked
         metric.update(torch.tensor(float(value)))
         plain.update(torch.tensor(float(value)))
         _caught_up()  # each sent at once, and run
         assert not worker.outbox
     worker.receive_ready()
-    assert worker.running == _RAN_AT_ONCE - 1  # run there, not answered: no answer to read at each call
-    assert metric.compute().item() == plain.compute().item() == sum(range(_RAN_AT_ONCE))
+    assert worker.running == run - 1  # run there, not answered: no answer to read at each call
+    assert metric.compute().item() == plain.compute().item() == sum(range(run))
     assert worker.running == 0
+
+
+@pytest.mark.parametrize("max_pending", [8, 16])
+def test_back_to_back_updates_go_and_are_answered_by_half_the_queue(max_pending, monkeypatch):
+    metric, plain = offload_to_cpu(SlowSum(0.002), max_pending=max_pending), SumMetric()
+    metric.update(torch.tensor(0.0))
+    metric.compute()
+    worker = _process_worker()
+    sent, answers = [], []
+    send_updates, take = worker._send_updates, worker._take
+    monkeypatch.setattr(worker, "_send_updates", lambda updates: sent.append(len(updates)) or send_updates(updates))
+    monkeypatch.setattr(worker, "_take", lambda message: answers.append(message) or take(message))
+    for value in range(1, 65):  # each call comes faster than the worker process runs one
+        metric.update(torch.tensor(float(value)))
+        plain.update(torch.tensor(float(value)))
+    assert metric.compute().item() == plain.compute().item() == sum(range(65))
+    run = max_pending // 2
+    assert max(sent) == run and sum(sent) == 64
+    assert sent.count(run) >= 64 // run - 2  # the first while the worker process was idle, the last at the read
+    ran = [len(answer.done) for answer in answers if type(answer).__name__ == "_Ran"]
+    assert max(ran) == run and len(ran) <= 64 // run + 2

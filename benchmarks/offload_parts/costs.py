@@ -151,7 +151,7 @@ def _handover_parts(scalars: list[Tensor]) -> str:
     inputs = _Outgoing((scalars[0],), {}).pickled("MeanMetric")  # a whole CPU tensor: its bytes, with the message
     timed(
         "process: the message pickled",
-        lambda i: pickle.dumps(_wire(_Updates([(1, 1, "", inputs, None)])), pickle.HIGHEST_PROTOCOL),
+        lambda i: pickle.dumps(_wire(_Updates([(1, 1, "", inputs, None)], 1)), pickle.HIGHEST_PROTOCOL),
     )
     timed("either: the torch state", lambda i: _CallerState())
     return "the hand-over's parts, per update: " + ", ".join(f"{k} {v * 1e6:.1f} µs" for k, v in timings.items())

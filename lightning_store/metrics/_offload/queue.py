@@ -15,6 +15,17 @@ from lightning_store.warnings import _warn_once_at
 DEFAULT_MAX_PENDING = 8
 
 
+def _answered_run(max_pending: int) -> int:
+    """How many of a queue's updates the worker runs before it wakes a caller waiting for room: half of them.
+
+    A caller woken costs the worker its wake-up (a write to the pipe, from a worker process), and a worker thread
+    the interpreter lock the caller then takes; a worker process also sends a queue's updates in messages of as
+    many, each a write and a read of the pipe. 2,000 back-to-back updates of a scalar's mean in a worker process,
+    at 8 updates a message and an answer: 10 to 15 µs an update less than at 4.
+    """
+    return max(1, max_pending // 2)
+
+
 class _Failure:
     """The error an update raised in the worker, kept to be raised again in the caller's thread."""
 

@@ -20,7 +20,6 @@ from lightning_store.metrics._offload.process.arena import _Arena
 from lightning_store.metrics._offload.process.defaults import _changed_defaults, _Held, _held, _made_from
 from lightning_store.metrics._offload.process.inputs import _read_inputs, _read_whole
 from lightning_store.metrics._offload.process.messages import (
-    _RAN_AT_ONCE,
     _Ask,
     _Broken,
     _Call,
@@ -106,6 +105,7 @@ class _ChildServer:
         self.answers = _Answers(conn)
         self.readable = _Readable(conn)
         self.ran: list[tuple] = []  # the `_Done`s not sent yet, in order
+        self.answer_every = 1  # how many updates run before an answer unasked (`queue._answered_run`)
 
     def run(self) -> None:
         parent = os.getppid()
@@ -120,7 +120,8 @@ class _ChildServer:
             if type(message) is not _Updates:  # what another message runs may draw: read afresh at the next update
                 self.generators = None
             match message:
-                case _Updates(updates):
+                case _Updates(updates, run):
+                    self.answer_every = run
                     for object_id, number, path, inputs, state in updates:
                         if state is not None:  # else the same as the last update's
                             self.state = state
@@ -197,7 +198,7 @@ class _ChildServer:
         if spent:
             self.updates_run += 1
             self.progress.write(self.updates_run)
-        if error is not None or drawn or kept or len(self.ran) >= _RAN_AT_ONCE:
+        if error is not None or drawn or kept or len(self.ran) >= self.answer_every:
             self._answer()
 
     def _answer(self) -> None:

@@ -23,8 +23,9 @@ From the worker process, in the order it made them:
 - ``_Broken``: the copy of an object could not be made there (its class cannot be imported, say);
 - ``_Ran``: the updates and calls run since the last one, in order, each a ``_Done``: what it raised, warned and
   drew, or that it was not run after a failed one. One answer for a run of updates: at once after an update that
-  failed, drew or warned (said at the parent's next call, as with a thread), every ``_RAN_AT_ONCE`` updates (the
-  parent gets room in its queue before it is full), and when the parent asks (``_Ask``: it waits for one). Not
+  failed, drew or warned (said at the parent's next call, as with a thread), every ``_Updates.run`` updates (half
+  the queue's ``max_pending``: the parent gets room before its queue is full, and is woken once for as many
+  updates), and when the parent asks (``_Ask``: it waits for one). Not
   once caught up: a worker process that keeps up with the step would then answer every update, and the parent
   read an answer at every call.
 
@@ -52,6 +53,7 @@ class _Update(NamedTuple):  # one of `_Updates`'s, sent as its fields
 
 class _Updates(NamedTuple):
     updates: list[tuple]  # each an `_Update`'s fields
+    run: int  # how many updates the worker process runs before it answers unasked (`_answered_run`)
 
 
 class _Call(NamedTuple):
@@ -121,9 +123,6 @@ class _Done(NamedTuple):  # one of `_Ran`'s, sent as its fields
 
 class _Ran(NamedTuple):
     done: list[tuple]  # each a `_Done`'s fields
-
-
-_RAN_AT_ONCE = 4  # half the default `max_pending`: the parent gets room before its queue is full
 
 
 _KINDS: tuple[type, ...] = (

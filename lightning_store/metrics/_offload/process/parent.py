@@ -44,12 +44,12 @@ class _Queued(NamedTuple):
     filters: tuple  # the warnings filters at the call: the update warns as it would have there
     arena: _Arena | None
     inputs: bytes | list  # pickled, or described as plain values (`inputs._Whole`)
+    run: int  # the updates of its queue sent at once, at most, and answered at once (`queue._answered_run`)
 
 
 _LIVENESS_S = 5.0  # as torch's DataLoader: a wait for an answer looks this often whether the worker process lives
 _IDLE_S = 10.0  # once every offloaded object is gone, the worker process ends after this (a new one starts if need be)
 _ASK = pickle.dumps(_messages._wire(_messages._Ask()))
-_SENT_AT_ONCE = 4  # updates: held for one message, at most, while the worker process has updates to run
 
 
 class _ProcessWorker:
@@ -73,6 +73,7 @@ class _ProcessWorker:
         self.sent_updates = 0  # the updates sent to this worker process, in all
         self.progress: _Progress | None = None  # how many of them it has run
         self.asked = False  # whether the worker process was asked for an answer since its last one
+        self.answer_every = 1  # it answers unasked every `answer_every` updates, as the last message said
         self.pulled: dict[int, tuple[bytes | None, tuple | None]] = {}  # a read's answer: the states, or an error
         self.to_drop: list[int] = []
         self.stopping = False
@@ -153,10 +154,13 @@ class _ProcessWorker:
             self._lost()
         return self.conn is not None
 
-    def queue_update(self, head: tuple[int, int, str], outgoing: _Outgoing, state: _CallerState, name: str) -> None:
+    def queue_update(
+        self, head: tuple[int, int, str], outgoing: _Outgoing, state: _CallerState, name: str, run: int
+    ) -> None:
         """Take arena space for ``outgoing`` (waiting for answers if need be), write it, and queue it to be sent.
 
-        ``head``: the object's id, the update's number, its Module's path in the object. Its inputs are pickled now:
+        ``head``: the object's id, the update's number, its Module's path in the object; ``run``: how many of its
+        queue's updates go at once (``queue._answered_run``). Its inputs are pickled now:
         an input that cannot go to another process raises here, and nothing is queued. :meth:`flush` sends it, once
         its inputs have landed.
         """
@@ -172,7 +176,7 @@ class _ProcessWorker:
             outgoing.release()
             raise
         self.space.sent(arena)
-        self.outbox.append(_Queued(head, outgoing, state, tuple(warnings.filters), arena, inputs))
+        self.outbox.append(_Queued(head, outgoing, state, tuple(warnings.filters), arena, inputs, run))
 
     def unqueue_last(self) -> None:
         """Take back the update last queued, not sent (its object was lost while it waited for space)."""
@@ -187,15 +191,19 @@ class _ProcessWorker:
     def flush(self, wait: bool = True, hold: bool = False) -> None:
         """Send the updates whose inputs have landed, in order, in one message (with ``wait``, all of them).
 
-        With ``hold`` (at an update's call), while the worker process has updates to run, fewer than
-        ``_SENT_AT_ONCE`` landed updates are held for the next call, read or wait: one message costs both processes
-        a write or a read of the pipe, and the worker process would only queue them.
+        With ``hold`` (at an update's call), while the worker process has updates to run, fewer landed updates than
+        the run of their queues (``_Queued.run``) are held for the next call, read or wait: one message costs both
+        processes a write or a read of the pipe, and the worker process would only queue them.
         """
         landed = 0
         while landed < len(self.outbox) and (wait or self.outbox[landed].outgoing.ready()):
             landed += 1
-        if not landed or (hold and self.busy() and landed < _SENT_AT_ONCE):
+        if not landed:
             return
+        run = min(self.outbox[index].run for index in range(landed))
+        if hold and landed < run and self.busy():
+            return
+        self.answer_every = run
         updates: list[tuple] = []
         for _ in range(landed):
             if self.conn is None:  # the worker process was lost: the updates left are too
@@ -225,7 +233,8 @@ class _ProcessWorker:
         if updates and self.conn is not None:  # else the worker process was lost, and the updates with it
             self.running += len(updates)
             self.sent_updates += len(updates)
-            self.send_bytes(pickle.dumps(_messages._wire(_messages._Updates(updates)), pickle.HIGHEST_PROTOCOL))
+            message = _messages._Updates(updates, self.answer_every)
+            self.send_bytes(pickle.dumps(_messages._wire(message), pickle.HIGHEST_PROTOCOL))
 
     def wait_for_room(self) -> None:
         """Send the updates held, and wait for the next answer: an update's call whose queue is full."""
@@ -245,11 +254,12 @@ class _ProcessWorker:
     def receive(self) -> None:
         """Wait for the next answer of the worker process, and take it; looking every few seconds that it lives.
 
-        The worker process answers every ``_RAN_AT_ONCE`` updates run, and the rest once asked (``_Ask``): it is
-        asked here, once an answer, if none waits and fewer updates than that are unanswered.
+        The worker process answers every ``answer_every`` updates run (as the last message of updates said), and
+        the rest once asked (``_Ask``): it is asked here, once an answer, if none waits and fewer updates than that
+        are unanswered.
         """
         try:
-            if 0 < self.running < _messages._RAN_AT_ONCE and not self.asked and not self._answered(0):
+            if 0 < self.running < self.answer_every and not self.asked and not self._answered(0):
                 self.asked = True
                 self.send_bytes(_ASK)
             while not self._answered(_LIVENESS_S):

@@ -17,7 +17,7 @@ from lightning_store.metrics._offload.process.ended import _RESET, _why_not_made
 from lightning_store.metrics._offload.process.inputs import _Outgoing
 from lightning_store.metrics._offload.process.messages import _Call, _Done, _Replace, _Resume
 from lightning_store.metrics._offload.process.parent import _process_worker
-from lightning_store.metrics._offload.queue import _Failure, _Queue, _wait_for_room
+from lightning_store.metrics._offload.queue import _answered_run, _Failure, _Queue, _wait_for_room
 from lightning_store.metrics._offload.workers import _Inline
 
 
@@ -97,7 +97,8 @@ class _ProcessQueue(_Queue):
                 self.report()
             head = (self.id, self.queued + 1, path)
             generation = worker.generation
-            worker.queue_update(head, outgoing, _CallerState(), self.name)  # raises: not queued
+            run = _answered_run(self.max_pending)
+            worker.queue_update(head, outgoing, _CallerState(), self.name, run)  # raises: not queued
             if worker.generation != generation:  # the worker process ended while it waited
                 if self.lost is not None:
                     worker.unqueue_last()

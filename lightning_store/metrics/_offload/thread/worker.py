@@ -6,13 +6,14 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from lightning_store.metrics._offload.kept_warnings import _install, _uninstall
+from lightning_store.metrics._offload.queue import _answered_run
 from lightning_store.metrics._offload.workers import _local, _PerProcess
-
-_RAN_AT_ONCE = 4  # jobs run before the callers waiting are woken, while more are queued
 
 
 class _JobsQueue(Protocol):
     """What the worker thread asks of a job's queue (a ``_ThreadQueue``), which alone writes its counts."""
+
+    max_pending: int
 
     def run(self, job: "_Job") -> None: ...
 
@@ -99,9 +100,9 @@ class _WorkerThread:
                     self.busy = False
                     job.queue.ran()
                     unsaid += 1
-                    # a caller woken takes the interpreter lock from the updates run here: woken once a few have
-                    # run (room for as many), or when there is nothing left to run
-                    if unsaid >= _RAN_AT_ONCE or not self.jobs:
+                    # a caller woken takes the interpreter lock from the updates run here: woken once half its
+                    # queue's room has run (room for as many), or when there is nothing left to run
+                    if unsaid >= _answered_run(job.queue.max_pending) or not self.jobs:
                         unsaid = 0
                         self.changed.notify_all()
 
