@@ -12,7 +12,7 @@ from lightning_store.metrics._offload.kept_warnings import _users_frame, _warn_a
 from lightning_store.metrics._offload.payoff import _Payoff
 from lightning_store.warnings import _warn_once_at
 
-DEFAULT_MAX_PENDING = 8
+DEFAULT_MAX_PENDING = 16
 
 
 def _answered_run(max_pending: int) -> int:
@@ -21,7 +21,7 @@ def _answered_run(max_pending: int) -> int:
     A caller woken costs the worker its wake-up (a write to the pipe, from a worker process), and a worker thread
     the interpreter lock the caller then takes; a worker process also sends a queue's updates in messages of as
     many, each a write and a read of the pipe. 2,000 back-to-back updates of a scalar's mean in a worker process,
-    at 8 updates a message and an answer: 10 to 15 µs an update less than at 4.
+    at 8 updates a message and an answer (max_pending=16): 10 to 15 µs an update less than at 4.
     """
     return max(1, max_pending // 2)
 
