@@ -195,6 +195,8 @@ class _ProcessWorker:
         the run of their queues (``_Queued.run``) are held for the next call, read or wait: one message costs both
         processes a write or a read of the pipe, and the worker process would only queue them.
         """
+        if not self.outbox or (hold and len(self.outbox) < self.outbox[0].run and self.busy()):
+            return  # fewer than a run queued, landed or not: held without a look at each (a run may be 50)
         landed = 0
         while landed < len(self.outbox) and (wait or self.outbox[landed].outgoing.ready()):
             landed += 1
