@@ -212,3 +212,63 @@ def test_bytes_that_are_not_the_span_of_their_layout_are_read_as_they_were_sent(
     got = pickling._tensor(data, torch.float32, (2,), (1,), False)
     assert torch.equal(got, sent[:2])
     assert pickling._tensor(bytes(data[:8]), torch.float32, (2,), (1,), False).tolist() == [1.5, -2.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+@pytest.mark.parametrize("shape", [(), (3, 2)], ids=["scalars", "matrices"])
+@pytest.mark.parametrize("inference", [False, True], ids=["normal", "inference"])
+@pytest.mark.parametrize("read_in_inference_mode", [False, True], ids=["read outside", "read in inference mode"])
+def test_a_long_list_state_comes_back_as_tensors_each_its_own(dtype, shape, inference, read_in_inference_mode):
+    # a list state of many small tensors (ROUGE's scores, one per sentence) goes back as one block of their bytes
+    from lightning_store.metrics._offload.process import pickling
+
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode(inference):
+        state = [_in_dtype(torch.randn(shape, generator=generator) * 9, dtype) for _ in range(pickling._STACKED_FROM)]
+        if dtype.is_floating_point:
+            state[3] = torch.full(shape, float("nan"), dtype=dtype)
+    sent = pickling.stacked(state)
+    assert isinstance(sent, pickling._Stacked)
+    with torch.inference_mode(read_in_inference_mode):
+        got = pickle.loads(pickling.dumps({"scores": sent}))["scores"]
+    assert type(got) is list and len(got) == len(state)
+    for element, plain in zip(got, state, strict=True):
+        assert (element.dtype, element.shape, element.stride()) == (plain.dtype, plain.shape, plain.stride())
+        assert element.is_inference() == inference
+        assert torch.equal(element.reshape(-1).view(torch.uint8), plain.reshape(-1).view(torch.uint8))  # a NaN's too
+    storages = {element.untyped_storage().data_ptr() for element in got}
+    assert len(storages) == len(state)  # each on memory of its own, as tensor by tensor
+
+
+def test_a_list_state_that_is_short_shared_or_mixed_goes_tensor_by_tensor():
+    from lightning_store.metrics._offload.process import pickling
+
+    def scalars(count: int) -> list[Tensor]:
+        return [torch.tensor(float(i)) for i in range(count)]
+
+    assert type(pickling.stacked(scalars(pickling._STACKED_FROM - 1))) is list
+    shared = scalars(pickling._STACKED_FROM)
+    last = shared[-1]  # also an attribute of the Metric, say: one object, which pickle keeps one
+    assert type(pickling.stacked(shared)) is list
+    got = pickle.loads(pickling.dumps([shared, last]))
+    assert got[0][-1] is got[1]
+    del last
+    assert type(pickling.stacked(shared)) is pickling._Stacked
+    for mixed in (
+        [*scalars(pickling._STACKED_FROM), torch.tensor(1)],  # another dtype
+        [*scalars(pickling._STACKED_FROM), torch.ones(2)],  # another shape
+        [*scalars(pickling._STACKED_FROM), torch.ones(4, 2).t()],  # not contiguous
+        [*scalars(pickling._STACKED_FROM), 1.0],  # not a tensor
+    ):
+        assert type(pickling.stacked(mixed)) is list
+
+
+@pytest.mark.filterwarnings("ignore:CatMetric. offloading it costs the step more")  # a cheap update
+def test_a_metric_with_a_long_list_state_reads_as_the_plain_one():
+    metric, plain = offload_to_cpu(CatMetric()), CatMetric()
+    for value in range(300):
+        metric.update(torch.tensor(value / 7))
+        plain.update(torch.tensor(value / 7))
+    assert len(metric.value) == len(plain.value) == 300
+    assert all(torch.equal(a, b) for a, b in zip(metric.value, plain.value, strict=True))
+    assert torch.equal(metric.compute(), plain.compute())

@@ -219,7 +219,10 @@ class _ChildServer:
             return
         # with the defaults an update changed here, if one did: the parent's are then these, and sent as bytes
         changed = _changed_defaults(obj, self.defaults.get(object_id, {}))
-        values = [{**_data_of(module), **more} for module, more in zip(obj.modules(), changed, strict=True)]
+        values = [
+            {name: _pickling.stacked(value) for name, value in {**_data_of(module), **more}.items()}
+            for module, more in zip(obj.modules(), changed, strict=True)
+        ]
         try:
             self._put(_States(object_id, _pickling.dumps(values), None))
         except BaseException as error:  # an attribute an update set that cannot be pickled, or no memory for it

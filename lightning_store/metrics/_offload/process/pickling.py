@@ -3,6 +3,7 @@
 import ctypes
 import io
 import pickle
+import sys
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -53,6 +54,62 @@ class _Resolving(pickle.Unpickler):
         if pid not in self.made:  # pickle memoizes no reference: the same tensor twice is one tensor again
             self.made[pid] = self.resolve(pid)
         return self.made[pid]
+
+
+_STACKED_FROM = 64  # elements: a shorter list state goes tensor by tensor
+
+
+class _Stacked:
+    """A list of plain CPU tensors of one dtype and shape, pickled as one block of their bytes (see :func:`stacked`).
+
+    Unpickled, it is a list again, of tensors each on memory of its own (:func:`_unstacked`).
+    """
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.tensors = tensors
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        first = self.tensors[0]
+        block = _memory_of(torch.stack(self.tensors))  # one op, where each tensor's bytes take a reduction of its own
+        return _unstacked, (block, first.dtype, tuple(first.shape), first.is_inference(), len(self.tensors))
+
+
+def stacked(value: Any) -> Any:
+    """``value`` as a :class:`_Stacked` if it is a long list of plain CPU tensors pickled alike, else as it is.
+
+    A list state of scalars appended at each update (ROUGE's: one per sentence and score) has thousands: pickled
+    tensor by tensor, a read of 10,800 took 70 ms, 25 in one block. The list qualifies only if each tensor is in
+    it once and nowhere else (it is then unpickled as a tensor of its own, as pickle would), contiguous, and of
+    the first one's dtype, shape and inference flag.
+    """
+    if type(value) is not list or len(value) < _STACKED_FROM:
+        return value
+    if type(value[0]) is not Tensor or not _plain(value[0]):
+        return value
+    dtype, shape, inference = value[0].dtype, value[0].shape, value[0].is_inference()
+    for tensor in value:
+        # referenced by the list, this loop and the call alone: shared with nothing pickle would keep it shared with
+        if sys.getrefcount(tensor) != 3 or type(tensor) is not Tensor or not _plain(tensor):
+            return value
+        if tensor.dtype != dtype or tensor.shape != shape or not tensor.is_contiguous():
+            return value
+        if tensor.is_inference() != inference:
+            return value
+    return _Stacked(value)
+
+
+def _unstacked(block: bytearray, dtype: torch.dtype, shape: tuple, inference: bool, count: int) -> list[Tensor]:
+    """The list :class:`_Stacked` pickled: each tensor a copy of its part of ``block``, on memory of its own."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    flat = _tensor(block, dtype, (count * numel,), (1,), inference)
+    if torch.is_inference_mode_enabled() != inference:
+        with torch.inference_mode(inference):
+            return [part.clone() for part in flat.view(count, *shape).unbind(0)]
+    return [part.clone() for part in flat.view(count, *shape).unbind(0)]
 
 
 def _plain(tensor: Tensor) -> bool:
