@@ -13,7 +13,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 from lightning_store import offload_to_cpu
 from lightning_store.metrics._reads import _is_offloaded, _queue_of  # waiting for the updates, not the states back
 from offload_parts.report import WORKERS, Report, Row, settle, shuffled
-from offload_parts.saves import binary
+from offload_parts.saves import binary, multiclass
 
 GOAL_LAUNCH = 1.10  # the step with the Metric offloaded, against the step without it
 GOAL_SHORT = 0.75  # a step shorter than the update: the step with the Metric offloaded, against it inline
@@ -51,13 +51,6 @@ def _detection_batch(generator: torch.Generator) -> tuple:
     return preds, target
 
 
-def _classes(count: int, classes: int) -> Callable[[torch.Generator], tuple]:
-    def make(generator: torch.Generator) -> tuple:
-        return tuple(torch.randint(0, classes, (count,), generator=generator) for _ in range(2))
-
-    return make
-
-
 _Case = tuple[Callable[[], Metric], Callable[[torch.Generator], tuple], int]  # the Metric, its inputs, ops a step
 
 
@@ -75,7 +68,7 @@ def _launch_metrics() -> dict[str, _Case]:
         ),
         "MulticlassConfusionMatrix(1000), 10,000 predictions": (
             lambda: MulticlassConfusionMatrix(1000),
-            _classes(10_000, 1000),
+            lambda generator: multiclass(10_000, generator),
             LAUNCH_OPS,
         ),
         "WordErrorRate, 32 sentences (Python)": (torchmetrics.text.WordErrorRate, _text_batch(32), LAUNCH_OPS),

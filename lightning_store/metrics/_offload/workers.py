@@ -30,13 +30,14 @@ _W = TypeVar("_W")
 # (`arena._Space`), its inputs are pickled at the call (an input that cannot be pickled raises there; whole CPU
 # tensors alone go as plain values, `inputs._Whole`), and it waits in the outbox until its device copies have
 # landed (`_ProcessWorker.flush`), then goes in order through the pipe (`_Updates`: while the worker process has
-# updates to run, which a counter in shared memory tells, `progress._Progress`, up to 4 landed ones go as one
-# message, and any other message after them), each with the warnings filters and the torch state of its call,
-# sent only when they changed.
+# updates to run, which a counter in shared memory tells, `progress._Progress`, a run of landed ones,
+# `queue._answered_run`, goes as one message, and any other message after them), each with the warnings filters
+# and the torch state of its call, sent only when they changed.
 #
-# Answer. Thread: after each job, the worker counts it run (`_Queue.ran`, one less pending) and wakes the waiters.
-# Process: the worker process answers the updates and calls it ran (`_Ran`, a `_Done` each, which also frees its
-# arena space: one answer after a failure, a draw or a warning, every 4, and when asked, `_Ask`, by a wait here)
+# Answer. Thread: after each job, the worker counts it run (`_Queue.ran`, one less pending), and wakes the waiters
+# once a run of jobs has run (`queue._answered_run`) or none is left. Process: the worker process answers the
+# updates and calls it ran (`_Ran`, a `_Done` each, which also frees its arena space: one answer after a failure,
+# a draw or a warning, after a run of updates, and when asked, `_Ask`, by a wait here)
 # and each read (`_States`), in order: a small answer written at once, a larger one, or one the pipe has no room
 # for, by a thread of its own (`answers.py`); this process takes the answers only when it waits for one
 # (`receive`) or queues an update (`receive_ready`). A read waits until nothing is pending (`settle`), and a

@@ -2,6 +2,7 @@
 
 import ctypes
 import io
+import math
 import pickle
 import sys
 from collections.abc import Callable, Hashable, Mapping
@@ -84,31 +85,27 @@ def stacked(value: Any) -> Any:
     it once and nowhere else (it is then unpickled as a tensor of its own, as pickle would), contiguous, and of
     the first one's dtype, shape and inference flag.
     """
-    if type(value) is not list or len(value) < _STACKED_FROM:
+    if type(value) is not list or len(value) < _STACKED_FROM or type(value[0]) is not Tensor:
         return value
-    if type(value[0]) is not Tensor or not _plain(value[0]):
-        return value
-    dtype, shape, inference = value[0].dtype, value[0].shape, value[0].is_inference()
+    alike = (value[0].dtype, value[0].shape, value[0].is_inference())
     for tensor in value:
         # referenced by the list, this loop and the call alone: shared with nothing pickle would keep it shared with
         if sys.getrefcount(tensor) != 3 or type(tensor) is not Tensor or not _plain(tensor):
             return value
-        if tensor.dtype != dtype or tensor.shape != shape or not tensor.is_contiguous():
-            return value
-        if tensor.is_inference() != inference:
+        if (tensor.dtype, tensor.shape, tensor.is_inference()) != alike or not tensor.is_contiguous():
             return value
     return _Stacked(value)
 
 
 def _unstacked(block: bytearray, dtype: torch.dtype, shape: tuple, inference: bool, count: int) -> list[Tensor]:
-    """The list :class:`_Stacked` pickled: each tensor a copy of its part of ``block``, on memory of its own."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    flat = _tensor(block, dtype, (count * numel,), (1,), inference)
+    """The list :class:`_Stacked` pickled: each tensor a copy of its part of ``block``, on memory of its own.
+
+    Made in inference mode if they were inference tensors, else out of it, as :func:`_tensor` makes one.
+    """
     if torch.is_inference_mode_enabled() != inference:
         with torch.inference_mode(inference):
-            return [part.clone() for part in flat.view(count, *shape).unbind(0)]
+            return _unstacked(block, dtype, shape, inference, count)
+    flat = _tensor(block, dtype, (count * math.prod(shape),), (1,), inference)
     return [part.clone() for part in flat.view(count, *shape).unbind(0)]
 
 
