@@ -30,12 +30,15 @@ LAYOUTS = {
     "overlapping": lambda: torch.arange(100.0).as_strided((30, 8), (3, 1)),
     "a scalar": lambda: torch.tensor(2.5),
     "empty": lambda: _randn(0, 4),
+    "a dim of one, with a stride of its own": lambda: _randn(40, 64).as_strided((40, 1, 64), (64, 999, 1)),
+    "small, a dim of one with a stride of its own": lambda: _randn(2, 8).as_strided((2, 1, 8), (8, 99, 1)),
 }
 
 
+@pytest.mark.parametrize("worker", ["thread", "process"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_metric_sees_the_layout_the_caller_passed(layout):
-    plain, offloaded = SeesLayout(), offload_to_cpu(SeesLayout(), worker="thread")
+def test_the_metric_sees_the_layout_the_caller_passed(layout, worker):
+    plain, offloaded = SeesLayout(), offload_to_cpu(SeesLayout(), worker=worker)
     for _ in range(2):  # the second copy goes through a buffer the first handed back
         x = LAYOUTS[layout]()
         plain.update(x)

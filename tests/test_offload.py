@@ -574,3 +574,23 @@ def test_a_setting_changed_while_updates_are_queued_applies_after_them_as_in_the
         m.nan_strategy = 0.0
         m.update(nan)
     assert_same_values(metric.compute(), plain.compute())
+
+
+def test_the_worker_process_runs_the_update_the_offloaded_metric_queues():
+    import functools
+
+    from lightning_store.metrics._offload.front import _queued_update
+
+    metric = offload_to_cpu(SumMetric(), worker="process")
+    queued = _queued_update(metric.update)
+    assert queued is not metric.update and queued.__wrapped__.__func__ is SumMetric.update  # torchmetrics' wrapper
+
+    @functools.wraps(metric.update)  # copies the wrapper's attributes: still a wrapper of its own
+    def wrapping(*args, **kwargs):
+        return metric.update(*args, **kwargs)
+
+    assert _queued_update(wrapping) is wrapping
+    plain = SumMetric()
+    assert _queued_update(plain.update) is plain.update
+    metric.update(torch.tensor([1.0, 2.5]))
+    assert metric.compute() == 3.5

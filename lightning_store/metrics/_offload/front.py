@@ -60,7 +60,17 @@ def _offloading(metric: Metric, update: Callable) -> Callable:
         else:
             _queue_update(metric, update, args, kwargs)
 
+    queue_update._queues = (queue_update, update)  # type: ignore[attr-defined]
     return queue_update
+
+
+def _queued_update(update: Callable) -> Callable:
+    """The update that :func:`_offloading` queues (``update`` if it is not such a wrapper): run as it is.
+
+    The wrapper is told by its own attribute, which ``functools.wraps`` would copy into a wrapper of it.
+    """
+    queues = getattr(update, "_queues", None)
+    return queues[1] if queues is not None and queues[0] is update else update
 
 
 def _forward_inline(obj: Module, forward: Callable, args: tuple, kwargs: dict) -> Any:

@@ -1,6 +1,7 @@
 """Shared memory for the inputs sent to the worker process: rings, the one in use and those still read."""
 
 import contextlib
+import ctypes
 import errno
 import os
 from collections import deque
@@ -43,6 +44,7 @@ class _Arena:
         else:
             self.shm = shared_memory.SharedMemory(name=name)
         self.size = self.shm.size
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.shm.buf))  # valid while the segment is open
         self.head = 0
         self.spans: deque[tuple[int, int]] = deque()  # (start, end) of each update's inputs, oldest first
         self.retired = False  # a larger one took its place: freed once its updates have run

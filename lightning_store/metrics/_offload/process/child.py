@@ -14,6 +14,7 @@ import torch
 from torch.nn import Module
 
 from lightning_store.metrics._offload.draws import _drawn, _host_states, _HostStates
+from lightning_store.metrics._offload.front import _queued_update
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.answers import _Answers
 from lightning_store.metrics._offload.process.arena import _Arena
@@ -165,6 +166,8 @@ class _ChildServer:
             return
         for module in self.objects[object_id].modules():  # the plain Metrics: this process runs them as they are
             module.__class__ = type(module).__dict__.get("_base_class", type(module))
+            if "update" in vars(module):
+                module.update = _queued_update(module.update)
         self.defaults[object_id] = _held(self.objects[object_id])
 
     def _run(

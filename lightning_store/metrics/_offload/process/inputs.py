@@ -1,6 +1,6 @@
 """An update's inputs for the worker process: tensors written into the shared arena, read back there."""
 
-import math
+import ctypes
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +13,7 @@ from lightning_store.metrics._offload.inputs import _SMALL_BYTES, _map_inputs, _
 from lightning_store.metrics._offload.layout import Flags, as_passed, flags, misalignment, spanned, unflagged
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _aligned, _Arena
-from lightning_store.metrics._offload.process.pickling import _memory_of, _tensor
+from lightning_store.metrics._offload.process.pickling import _memory_of, _tensor, _tensor_at
 
 
 class _InArena:
@@ -201,7 +201,7 @@ class _Whole:
             tensor = tensor.detach()
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes <= _SMALL_BYTES:
-                data = _pickling._memory_of(tensor)
+                data = ctypes.string_at(tensor.data_ptr(), nbytes)  # bytes: copied from as they are, in one move
                 shape, stride = tuple(tensor.shape), tensor.stride()
                 described.append((data, _DTYPES[tensor.dtype], shape, stride, tensor.is_inference()))
             else:
@@ -248,9 +248,8 @@ def _made(one: tuple, arenas: Callable[[str], _Arena]) -> Tensor:
     if len(one) == 5:  # small: its bytes
         data, dtype, shape, stride, inference = one
         return _tensor(data, _BY_NAME[dtype], shape, stride, inference)
-    name, offset, dtype, shape, stride, inference = one
-    flat = arenas(name).tensor(offset, _BY_NAME[dtype], math.prod(shape))
-    return as_passed(lambda: flat.clone().as_strided(shape, stride), (inference, False, False))
+    name, offset, dtype, shape, stride, inference = one  # contiguous: its span is its elements, as written
+    return _tensor_at(arenas(name).address + offset, _BY_NAME[dtype], shape, stride, inference)
 
 
 def _dense_stride(tensor: Tensor) -> tuple[int, ...]:

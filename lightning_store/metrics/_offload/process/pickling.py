@@ -126,7 +126,7 @@ def _memory_of(tensor: Tensor) -> bytearray:
     return bytearray((ctypes.c_char * size).from_address(tensor.data_ptr())) if size else bytearray()
 
 
-def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple, stride: tuple, inference: bool) -> Tensor:
+def _tensor(data: bytes | bytearray, dtype: torch.dtype, shape: tuple, stride: tuple, inference: bool) -> Tensor:
     """A tensor pickled by :class:`_Pickler`, on memory torch allocated (aligned as the original was).
 
     Made in inference mode if it was an inference tensor, else out of it; the mode is entered only if it is not the
@@ -142,6 +142,19 @@ def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple, stride: tuple, in
             return torch.frombuffer(data, dtype=torch.uint8).clone().view(dtype).as_strided(shape, stride, 0)
         source = data if isinstance(data, bytes) else (ctypes.c_char * size).from_buffer(data)
         ctypes.memmove(tensor.data_ptr(), source, size)  # one op, where a tensor of the bytes takes four
+    return tensor
+
+
+def _tensor_at(address: int, dtype: torch.dtype, shape: tuple, stride: tuple, inference: bool) -> Tensor:
+    """A copy of the dense tensor of ``shape`` and ``stride`` whose memory starts at ``address``, as :func:`_tensor`.
+
+    Its span, which a dense layout fills, is copied in one move: a view of the memory and its clone cost three ops.
+    """
+    if torch.is_inference_mode_enabled() != inference:
+        with torch.inference_mode(inference):
+            return _tensor_at(address, dtype, shape, stride, inference)
+    tensor = torch.empty_strided(shape, stride, dtype=dtype)
+    ctypes.memmove(tensor.data_ptr(), address, tensor.untyped_storage().nbytes())
     return tensor
 
 
