@@ -3,6 +3,7 @@
 import copy
 import pickle
 import random
+import re
 import time
 import warnings
 
@@ -231,6 +232,40 @@ def test_a_draw_there_fails_the_update_and_moves_nothing_here(generator):
         offloaded.compute()
     assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
     assert np.array_equal(np.random.get_state()[1], states[2])
+
+
+class DrawsAfterAWait(DrawsOnLargeBatches):
+    """Waits in an update of 3 values: the calls after it are held here, and go to the worker process together."""
+
+    def update(self, value: Tensor) -> None:
+        if value.numel() == 3:
+            time.sleep(0.5)
+        super().update(value)
+
+
+@pytest.mark.parametrize("generator", DRAWS)
+def test_a_draw_in_updates_run_in_a_row_is_said_of_them(generator):
+    offloaded = offload_to_cpu(DrawsAfterAWait(generator), worker="process", max_pending=8)
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    for size in (3, 2, 2, 8, 2, 2, 2, 2):  # update #4 draws
+        offloaded.update(torch.ones(size))
+    with pytest.raises(RuntimeError) as err:
+        offloaded.compute()
+    found = re.match(
+        r"DrawsAfterAWait\.update raised in lightning-store's offload worker, in one of updates #(\d) to #(\d) since"
+        r" offload_to_cpu \(run in a row there, and checked together\): it drew random numbers from (.+) global"
+        r" generator in the worker process\..* The Metric's state holds what the updates changed, draws included\."
+        r" The (\d) update\(s\) queued after it were not run",
+        str(err.value),
+    )
+    assert found is not None, str(err.value)
+    first, last, drawn, not_run = int(found[1]), int(found[2]), found[3], int(found[4])
+    assert 1 <= first < last and first <= 4 <= last and not_run == 8 - last and drawn == generator
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert np.array_equal(np.random.get_state()[1], states[2])
+    offloaded.reset()  # and it runs updates again
+    offloaded.update(torch.ones(2))
+    assert offloaded.compute() == 2.0
 
 
 class DrawsWhenUnpickled(SumMetric):

@@ -28,8 +28,8 @@ _MT_BYTES = 4 + 624 * 4  # a Mersenne Twister's state as Python and NumPy keep i
 def _host_states(torch_too: bool = False) -> _HostStates:
     """What tells apart the states of Python's global generator, NumPy's if imported, and torch's CPU one if asked.
 
-    Taken before and after every offloaded update, so read cheaply (:class:`_TwisterState`); compared by
-    :func:`_drawn`. :func:`_saved_host_states` saves the states themselves.
+    Taken around every offloaded update (a row of them in a worker process), so read cheaply
+    (:class:`_TwisterState`); compared by :func:`_drawn`. :func:`_saved_host_states` saves the states themselves.
 
     Args:
         torch_too: take torch's CPU generator's too: in a worker process, where no other thread draws from it.

@@ -16,13 +16,17 @@ class _Refused(Exception):
     Args:
         reason: what the update was about to do, and why it must not, in the background.
         hint: how to fix it.
+        held: what the Metric's state holds.
 
     """
 
-    def __init__(self, reason: str, hint: str) -> None:
-        super().__init__(reason, hint)
+    def __init__(
+        self, reason: str, hint: str, held: str = "The Metric's state holds what the update changed before it."
+    ) -> None:
+        super().__init__(reason, hint, held)
         self.reason = reason
         self.hint = hint
+        self.held = held
 
 
 class _Draws:

@@ -29,11 +29,12 @@ def _answered_run(max_pending: int) -> int:
 class _Failure:
     """The error an update raised in the worker, kept to be raised again in the caller's thread."""
 
-    __slots__ = ("discarded", "error", "number")
+    __slots__ = ("discarded", "error", "number", "since")
 
-    def __init__(self, error: BaseException, number: int | None) -> None:
+    def __init__(self, error: BaseException, number: int | None, since: int | None = None) -> None:
         self.error = error
         self.number = number  # the update's, or None for another step of the queue
+        self.since = since  # the first of the updates it may be in, up to `number` (a row checked as one), or None
         self.discarded = 0  # the updates queued after it, not run
 
 
@@ -163,17 +164,20 @@ class _Queue:
             if failure.discarded
             else ""
         )
-        where = (
-            f"{self.name}.update raised in lightning-store's offload worker, at update #{failure.number} since"
-            " offload_to_cpu"
-            if failure.number is not None
-            else f"{self.name}'s copy of its compute groups' states raised in lightning-store's offload worker"
-        )
+        if failure.number is None:
+            where = f"{self.name}'s copy of its compute groups' states raised in lightning-store's offload worker"
+        elif failure.since is not None:
+            where = (
+                f"{self.name}.update raised in lightning-store's offload worker, in one of updates #{failure.since}"
+                f" to #{failure.number} since offload_to_cpu (run in a row there, and checked together)"
+            )
+        else:
+            where = (
+                f"{self.name}.update raised in lightning-store's offload worker, at update #{failure.number} since"
+                " offload_to_cpu"
+            )
         if isinstance(error, _Refused):
-            raise RuntimeError(
-                f"{where}: {error.reason} The Metric's state holds what the update changed before it.{not_run}"
-                f" HINT: {error.hint}"
-            ) from error
+            raise RuntimeError(f"{where}: {error.reason} {error.held}{not_run} HINT: {error.hint}") from error
         message = (
             f"{where}: {_sentence(str(error))}{not_run} The Metric's state is that after the failed update, as for"
             " the plain Metric; new updates run again."

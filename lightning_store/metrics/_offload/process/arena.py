@@ -7,6 +7,7 @@ import os
 from collections import deque
 from collections.abc import Callable
 from multiprocessing import shared_memory
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -44,7 +45,8 @@ class _Arena:
         else:
             self.shm = shared_memory.SharedMemory(name=name)
         self.size = self.shm.size
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.shm.buf))  # valid while the segment is open
+        # where its memory starts, in this process: read while the segment is open
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(cast(memoryview, self.shm.buf)))
         self.head = 0
         self.spans: deque[tuple[int, int]] = deque()  # (start, end) of each update's inputs, oldest first
         self.retired = False  # a larger one took its place: freed once its updates have run

@@ -22,12 +22,12 @@ From the worker process, in the order it made them:
 - ``_States``: a read's answer, the states or the error that kept them from being sent;
 - ``_Broken``: the copy of an object could not be made there (its class cannot be imported, say);
 - ``_Ran``: the updates and calls run since the last one, in order, each a ``_Done``: what it raised, warned and
-  drew, or that it was not run after a failed one. One answer for a run of updates: at once after an update that
-  failed, drew or warned (said at the parent's next call, as with a thread), every ``_Updates.run`` updates (half
-  the queue's ``max_pending``: the parent gets room before its queue is full, and is woken once for as many
-  updates), and when the parent asks (``_Ask``: it waits for one). Not
-  once caught up: a worker process that keeps up with the step would then answer every update, and the parent
-  read an answer at every call.
+  drew, or that it was not run after a failed one. One answer for a run of updates: at once after a row of an
+  object's updates (``child._ChildServer._run_row``) in which one failed, drew or warned (said at the parent's
+  next call, as with a thread), every ``_Updates.run`` updates (half the queue's ``max_pending``: the parent gets
+  room before its queue is full, and is woken once for as many updates), and when the parent asks (``_Ask``: it
+  waits for one). Not once caught up: a worker process that keeps up with the step would then answer every
+  update, and the parent read an answer at every call.
 
 A message goes as its kind's number and its fields (:func:`_wire`, :func:`_read`): a class pickles and unpickles
 through Python code, about 3 us each way against under 1 us for a tuple, and an update is sent, and answered, at
@@ -119,6 +119,7 @@ class _Done(NamedTuple):  # one of `_Ran`'s, sent as its fields
     discarded: bool  # not run: an update of the object failed before
     spent: bool  # its inputs' arena space may be used again
     update_s: float  # how long its `update` ran (0.0 for a call, or not run)
+    drawn_since: int | None  # with `drawn`: the first of the updates in a row with it, checked together (or None)
 
 
 class _Ran(NamedTuple):

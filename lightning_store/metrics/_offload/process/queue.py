@@ -210,7 +210,9 @@ class _ProcessQueue(_Queue):
                 "keep this Metric as it is (not offloaded), or give its update a generator of its own"
                 " (`torch.Generator`, `random.Random(seed)`, `np.random.default_rng(seed)`)."
             )
-            self.failure = _Failure(_Refused(reason, hint), number)
+            updates = "update" if answer.drawn_since is None else "updates"
+            held = f"The Metric's state holds what the {updates} changed, draws included."
+            self.failure = _Failure(_Refused(reason, hint, held), number, since=answer.drawn_since)
 
     def worker_lost(self, reason: str, hint: str) -> None:
         """The worker process ended: lost with ``reason`` (and ``hint``) if it had updates not here; nothing sent."""
