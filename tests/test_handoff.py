@@ -87,7 +87,7 @@ def test_the_worker_process_answers_a_short_run_of_updates_only_when_asked(max_p
     kwargs = {} if max_pending is None else {"max_pending": max_pending}
     metric, plain = offload_to_cpu(SumMetric(), **kwargs), SumMetric()
     run = _answered_run(_queue_of(metric).max_pending)  # half the queue's room
-    assert run == (max_pending or DEFAULT_MAX_PENDING) // 2
+    assert run == (max_pending or DEFAULT_MAX_PENDING["process"]) // 2
     metric.update(torch.tensor(0.0))
     metric.compute()
     worker = _process_worker()

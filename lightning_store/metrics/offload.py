@@ -26,7 +26,7 @@ _EXAMPLE = "`self.auroc = offload_to_cpu(BinaryAUROC(thresholds=200))`"
 
 
 def offload_to_cpu(
-    metric: _Offloadable, *, max_pending: int = DEFAULT_MAX_PENDING, worker: _Worker = "process"
+    metric: _Offloadable, *, max_pending: int | None = None, worker: _Worker = "process"
 ) -> _Offloadable:
     """Run ``metric``'s updates on the CPU, in a background worker: a process of its own (the default) or a thread.
 
@@ -46,8 +46,9 @@ def offload_to_cpu(
         metric (Metric | MetricCollection | MetricTracker): a ``torchmetrics.Metric`` (a wrapper too), a
             ``MetricCollection`` or a ``MetricTracker``, configured in place with every Metric it holds, which
             share its queue.
-        max_pending: the most updates that wait for the worker; one more waits in ``update`` until one has run. Each
-            holds a copy of its inputs in host memory.
+        max_pending: the most updates that wait for the worker; one more waits in ``update`` until one has run.
+            ``None``: 32 for a worker process, whose updates wait with their inputs in shared memory of a size of its
+            own, whatever their count; 16 for a worker thread, each of whose updates holds a copy of its inputs.
         worker: ``"process"``, a process of its own, which runs the updates of every Metric offloaded to it, or
             ``"thread"``, a thread of this process.
 
@@ -71,8 +72,10 @@ def offload_to_cpu(
         tensor(1.)
 
     """
-    _check_max_pending(max_pending)
     _check_worker(worker)
+    if max_pending is None:
+        max_pending = DEFAULT_MAX_PENDING[worker]
+    _check_max_pending(max_pending, worker)
     _check_configurable(metric, "offload_to_cpu", _EXAMPLE)
     queue = _queue_of(metric)
     if queue is not None:  # offloaded already: only the bound changes
@@ -139,8 +142,8 @@ def _check_pickles(metric: Module) -> None:
         ) from error
 
 
-def _check_max_pending(max_pending: Any) -> None:
-    hint = f"pass a number of updates, such as max_pending={DEFAULT_MAX_PENDING} (the default)."
+def _check_max_pending(max_pending: Any, worker: _Worker) -> None:
+    hint = f"pass a number of updates, such as max_pending={DEFAULT_MAX_PENDING[worker]} (worker={worker!r}'s default)."
     _check_positive_int(max_pending, "max_pending", hint)
 
 
