@@ -70,3 +70,21 @@ def _in_thread(call) -> None:
     thread = threading.Thread(target=call)
     thread.start()
     thread.join()
+
+
+def _shown(metric, updates: int, action: str) -> int:
+    """How many of ``metric``'s warnings are shown for ``updates`` updates of a NaN under the filter ``action``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter(action)
+        for _ in range(updates):
+            metric.update(NAN)
+        metric.compute()
+    return sum("`nan` values in tensor" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_a_warning_given_at_every_update_is_shown_as_often_as_the_plain_ones(worker):
+    plain = CatMetric(nan_strategy="warn")
+    metric = offload_to_cpu(CatMetric(nan_strategy="warn"), worker=worker)
+    for action, times in (("default", 1), ("default", 1), ("always", 5), ("once", 1)):  # a new context each time
+        assert _shown(metric, 5, action) == _shown(plain, 5, action) == times, action

@@ -41,10 +41,19 @@ class _Queued(NamedTuple):
     head: tuple[int, int, str]  # the object's id, the update's number, its Module's path in the object
     outgoing: _Outgoing
     state: _CallerState  # the caller's torch state at the call
-    filters: tuple  # the warnings filters at the call: the update warns as it would have there
+    filters: tuple  # the warnings filters at the call (`_filters`): the update warns as it would have there
     arena: _Arena | None
     inputs: bytes | list  # pickled, or described as plain values (`inputs._Whole`)
     run: int  # the updates of its queue sent at once, at most, and answered at once (`queue._answered_run`)
+
+
+def _filters() -> tuple[int, tuple]:
+    """The warnings filters in force, and the list that holds them: sent to the worker process when either changes.
+
+    ``catch_warnings`` (pytest's, say) puts a new list in place, and Python then shows again a warning shown once
+    under ``"default"``: the worker process does too when it is sent filters (``child``, ``_Filters``).
+    """
+    return id(warnings.filters), tuple(warnings.filters)
 
 
 _LIVENESS_S = 5.0  # as torch's DataLoader: a wait for an answer looks this often whether the worker process lives
@@ -176,7 +185,7 @@ class _ProcessWorker:
             outgoing.release()
             raise
         self.space.sent(arena)
-        self.outbox.append(_Queued(head, outgoing, state, tuple(warnings.filters), arena, inputs, run))
+        self.outbox.append(_Queued(head, outgoing, state, _filters(), arena, inputs, run))
 
     def unqueue_last(self) -> None:
         """Take back the update last queued, not sent (its object was lost while it waited for space)."""
@@ -216,7 +225,7 @@ class _ProcessWorker:
             if queued.filters != self.filters:  # the updates before go with the filters before
                 self._send_updates(updates)
                 updates = []
-                self._send_now(_messages._Filters([entry for entry in queued.filters if _pickling.pickles(entry)]))
+                self._send_now(_messages._Filters([entry for entry in queued.filters[1] if _pickling.pickles(entry)]))
                 self.filters = queued.filters
             same = queued.state == self.state  # most often: sent once, and the worker process keeps it
             self.state = queued.state
