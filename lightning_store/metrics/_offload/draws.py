@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 
-from lightning_store.metrics._offload.kept_warnings import _kept_warnings
+from lightning_store.metrics._offload.kept_warnings import _KeptWarnings
 from lightning_store.metrics._offload.workers import _Inline
 
 _HostStates = tuple[Any, Any, Any]
@@ -197,7 +197,7 @@ def _trial_draws(suspect: _Suspect) -> list[str] | None:
         return None
     saved, before = _saved_host_states(), _host_states()
     try:
-        with _Inline(), _kept_warnings():  # the trial's warnings are the update's own, given already: dropped
+        with _Inline(), _KeptWarnings():  # the trial's warnings are the update's own, given already: dropped
             trial.update(*suspect.args, **suspect.kwargs)  # type: ignore[operator]
         return _drawn(before, _host_states())
     except Exception:

@@ -3,8 +3,6 @@
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -42,16 +40,22 @@ def _uninstall() -> None:
         warnings._showwarnmsg = _shown  # type: ignore[attr-defined]
 
 
-@contextmanager
-def _kept_warnings() -> Iterator[list[warnings.WarningMessage]]:
-    """The warnings given in this block, in this thread (the worker), kept in the list given rather than shown."""
-    log: list[warnings.WarningMessage] = []
-    outer = getattr(_kept, "log", None)
-    _kept.log = log
-    try:
-        yield log
-    finally:
-        _kept.log = outer
+class _KeptWarnings:
+    """``with _KeptWarnings() as kept:`` keeps the warnings this thread (the worker) gives in the block in ``kept``.
+
+    They are not shown. A class, not a generator: a worker process enters one at every update.
+    """
+
+    __slots__ = ("log", "outer")
+
+    def __enter__(self) -> list[warnings.WarningMessage]:
+        self.log: list[warnings.WarningMessage] = []
+        self.outer = getattr(_kept, "log", None)
+        _kept.log = self.log
+        return self.log
+
+    def __exit__(self, *exc: object) -> None:
+        _kept.log = self.outer
 
 
 def _warn_again(message: warnings.WarningMessage, source: str) -> None:

@@ -15,7 +15,7 @@ from torch.nn import Module
 
 from lightning_store.metrics._offload.draws import _drawn, _host_states, _HostStates
 from lightning_store.metrics._offload.front import _queued_update
-from lightning_store.metrics._offload.kept_warnings import _install, _kept_warnings
+from lightning_store.metrics._offload.kept_warnings import _install, _KeptWarnings
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.answers import _Answers
 from lightning_store.metrics._offload.process.arena import _Arena
@@ -245,7 +245,7 @@ class _ChildServer:
             self.failed.add(object_id)
         elif not discarded:
             target = self.objects[object_id].get_submodule(path) if path else self.objects[object_id]
-            with _kept_warnings() as caught:
+            with _KeptWarnings() as caught:
                 try:
                     getattr(target, method)(*args)
                 except BaseException as exception:  # `SystemExit` and pytest's `Failed` too: sent, and this goes on
@@ -295,7 +295,7 @@ def _run_update(
     caller's ``state`` already (the last update's, which found nothing to apply), which is not applied again.
     """
     error, update_s = None, 0.0
-    with _kept_warnings() as caught:
+    with _KeptWarnings() as caught:
         try:
             if isinstance(inputs, list):  # an update's whole CPU tensors (`inputs._Whole`)
                 args, kwargs = _read_whole(inputs, arenas.__getitem__)

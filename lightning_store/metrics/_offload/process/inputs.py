@@ -13,7 +13,7 @@ from lightning_store.metrics._offload.inputs import _SMALL_BYTES, _map_inputs, _
 from lightning_store.metrics._offload.layout import Flags, as_passed, flags, misalignment, spanned, unflagged
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _aligned, _Arena
-from lightning_store.metrics._offload.process.pickling import _memory_of, _tensor, _tensor_at
+from lightning_store.metrics._offload.process.pickling import _dense, _memory_of, _tensor
 
 
 class _InArena:
@@ -178,7 +178,8 @@ class _Whole:
     """An update's inputs when they are CPU tensors alone, each whole: contiguous, aligned, with no lazy flag.
 
     Each goes as a tuple of plain values: a small one with its bytes (``(bytes, dtype, shape, stride,
-    inference)``), a larger one as where it lies in the arena (``(arena, offset, dtype, shape, stride, inference)``);
+    inference)``), a larger one as where it lies in the arena (``(arena, offset, nbytes, dtype, shape, stride,
+    inference)``);
     ``described`` is ``[those, kwargs' names]`` (a list: the worker process tells it from pickled inputs by that).
     Read back by :func:`_read_whole`, with the layout, the alignment and the inference flag of the input, as the
     general path's.
@@ -217,8 +218,9 @@ class _Whole:
             count = tensor.numel()
             arena.tensor(offset, tensor.dtype, count).copy_(tensor.reshape(count))
             shape, stride = tuple(tensor.shape), tensor.stride()
-            described[index] = (arena.name, offset, _DTYPES[tensor.dtype], shape, stride, tensor.is_inference())
-            offset += _aligned(count * tensor.element_size())
+            nbytes = count * tensor.element_size()
+            described[index] = (arena.name, offset, nbytes, _DTYPES[tensor.dtype], shape, stride, tensor.is_inference())
+            offset += _aligned(nbytes)
         self.large = []  # the caller's tensors are not kept
 
 
@@ -245,11 +247,12 @@ def _read_whole(described: list, arenas: Callable[[str], _Arena]) -> tuple[tuple
 
 
 def _made(one: tuple, arenas: Callable[[str], _Arena]) -> Tensor:
+    # contiguous, so its span is its bytes, as the parent counted them
     if len(one) == 5:  # small: its bytes
         data, dtype, shape, stride, inference = one
-        return _tensor(data, _BY_NAME[dtype], shape, stride, inference)
-    name, offset, dtype, shape, stride, inference = one  # contiguous: its span is its elements, as written
-    return _tensor_at(arenas(name).address + offset, _BY_NAME[dtype], shape, stride, inference)
+        return _dense(data, len(data), _BY_NAME[dtype], shape, stride, inference)
+    name, offset, nbytes, dtype, shape, stride, inference = one
+    return _dense(arenas(name).address + offset, nbytes, _BY_NAME[dtype], shape, stride, inference)
 
 
 def _dense_stride(tensor: Tensor) -> tuple[int, ...]:

@@ -145,16 +145,19 @@ def _tensor(data: bytes | bytearray, dtype: torch.dtype, shape: tuple, stride: t
     return tensor
 
 
-def _tensor_at(address: int, dtype: torch.dtype, shape: tuple, stride: tuple, inference: bool) -> Tensor:
-    """A copy of the dense tensor of ``shape`` and ``stride`` whose memory starts at ``address``, as :func:`_tensor`.
+def _dense(
+    source: int | bytes, nbytes: int, dtype: torch.dtype, shape: tuple, stride: tuple, inference: bool
+) -> Tensor:
+    """A dense tensor of ``shape`` and ``stride``, its ``nbytes`` (its whole span) copied from ``source`` in one move.
 
-    Its span, which a dense layout fills, is copied in one move: a view of the memory and its clone cost three ops.
+    ``source``: an address, or bytes. Made as :func:`_tensor` makes one, where a view of the memory and its clone
+    cost three ops.
     """
     if torch.is_inference_mode_enabled() != inference:
         with torch.inference_mode(inference):
-            return _tensor_at(address, dtype, shape, stride, inference)
+            return _dense(source, nbytes, dtype, shape, stride, inference)
     tensor = torch.empty_strided(shape, stride, dtype=dtype)
-    ctypes.memmove(tensor.data_ptr(), address, tensor.untyped_storage().nbytes())
+    ctypes.memmove(tensor.data_ptr(), source, nbytes)
     return tensor
 
 

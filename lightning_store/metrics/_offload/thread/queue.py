@@ -15,7 +15,7 @@ from lightning_store.metrics._offload.caller_state import _CallerState
 from lightning_store.metrics._offload.draws import _drawn, _host_states, _Suspect, _trial_draws
 from lightning_store.metrics._offload.guard import _WorkerGuard
 from lightning_store.metrics._offload.inputs import _land, _start_copies
-from lightning_store.metrics._offload.kept_warnings import _kept_warnings, _users_frame
+from lightning_store.metrics._offload.kept_warnings import _KeptWarnings, _users_frame
 from lightning_store.metrics._offload.queue import _Failure, _Queue, _wait_for_room
 from lightning_store.metrics._offload.thread.worker import _Job, _thread_worker
 from lightning_store.metrics._offload.workers import _Inline
@@ -163,7 +163,7 @@ def _as_at_the_call(state: _CallerState) -> Iterator[tuple[list[warnings.Warning
     Yields the warnings' list and the guard (which times the update's torch ops).
     """
     guard = _WorkerGuard(state.default_dtype)
-    with state.applied(), guard, _kept_warnings() as kept:
+    with state.applied(), guard, _KeptWarnings() as kept:
         yield kept, guard
 
 
