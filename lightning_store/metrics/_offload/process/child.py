@@ -45,6 +45,7 @@ from lightning_store.metrics._offload.workers import _Inline
 
 _MODULE_OWN = frozenset(vars(Module())) | {"_offload", "_defaults", "_persistent", "_reductions"}
 _KEPT_WARNINGS = 20  # at most, by update: the rest are dropped (the answer stays small)
+_NOTHING_TO_APPLY = contextlib.nullcontext()  # the caller's state in force already (one made for every update: 0.3 µs)
 _WATCH_S = 5.0  # how often, while no message comes, the worker process looks whether its parent is still there
 
 
@@ -302,7 +303,7 @@ def _run_update(
             else:  # pickled at its call
                 inputs = pickle.loads(inputs) if isinstance(inputs, bytes) else inputs
                 args, kwargs = _read_inputs(inputs, arenas.__getitem__)
-            with contextlib.nullcontext() if in_force else state.applied(default_dtype=True):
+            with _NOTHING_TO_APPLY if in_force else state.applied(default_dtype=True):
                 started = time.perf_counter()
                 try:
                     cast(Any, target).update(*args, **kwargs)
