@@ -476,3 +476,10 @@ def assert_same_values(a: Any, b: Any) -> None:
             assert type(x) is type(y) and x == y, (x, y)
             continue
         assert x.dtype == y.dtype and x.device == y.device and torch.equal(x, y), (x, y)
+
+
+class SeesWaitPolicy(SumMetric):
+    """Adds its input where ``OMP_WAIT_POLICY`` is ``PASSIVE`` in the process that updates it, subtracts it else."""
+
+    def update(self, value: Tensor) -> None:
+        super().update(value if os.environ.get("OMP_WAIT_POLICY") == "PASSIVE" else -value)

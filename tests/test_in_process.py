@@ -1,6 +1,7 @@
 """``offload_to_cpu(worker="process")``: the plain Metric's values, bit for bit, from a copy in a worker process."""
 
 import copy
+import os
 import pickle
 import random
 import re
@@ -15,6 +16,7 @@ from _metrics import (
     DrawsOnLargeBatches,
     Gram,
     SeesLayout,
+    SeesWaitPolicy,
     assert_same_values,
     binary,
 )
@@ -476,3 +478,24 @@ def test_a_message_sent_after_updates_held_here_goes_after_them(monkeypatch):
     for x in values:
         plain.update(x)
     assert_same_values(offloaded.compute(), plain.compute())
+
+
+@pytest.mark.skipif("OMP_WAIT_POLICY" in os.environ, reason="OMP_WAIT_POLICY is set here: the worker process keeps it")
+def test_the_worker_process_starts_with_openmp_threads_that_sleep_between_ops():
+    metric = offload_to_cpu(SeesWaitPolicy(), worker="process")
+    metric.update(torch.tensor(2.0))
+    assert metric.compute() == 2.0  # PASSIVE there
+    assert "OMP_WAIT_POLICY" not in os.environ  # and not here
+
+
+def test_a_wait_policy_given_is_the_worker_processs(monkeypatch):
+    from lightning_store.metrics._offload.process.parent import _passive_openmp
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with _passive_openmp():
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with _passive_openmp():
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -2,11 +2,13 @@
 
 import contextlib
 import multiprocessing
+import os
 import pickle
 import threading
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol
 
 from lightning_store.metrics._offload.caller_state import _CallerState
@@ -45,6 +47,25 @@ class _Queued(NamedTuple):
     arena: _Arena | None
     inputs: bytes | list  # pickled, or described as plain values (`inputs._Whole`)
     run: int  # the updates of its queue sent at once, at most, and answered at once (`queue._answered_run`)
+
+
+@contextlib.contextmanager
+def _passive_openmp() -> Iterator[None]:
+    """The environment a worker process starts with: its OpenMP threads sleep once a parallel op is done.
+
+    By default they spin a while for the next one, and on a machine with few cores took them from the training
+    process: a step of small ops beside a binned AUROC offloaded, 2 torch threads on 2 cores, 1.75 times the step
+    without the Metric, 1.16 passive. ``OMP_WAIT_POLICY`` set already is kept. This process's own OpenMP read its
+    environment when torch was imported, and the variable is set for the start alone.
+    """
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def _filters() -> tuple[int, tuple]:
@@ -128,7 +149,8 @@ class _ProcessWorker:
         self.process = context.Process(
             target=_serve, args=(theirs, self.progress.name), name="lightning-store-offload", daemon=True
         )
-        self.process.start()
+        with _passive_openmp():
+            self.process.start()
         theirs.close()
         _PROCESS.started()
 
