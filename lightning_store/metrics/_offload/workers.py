@@ -32,12 +32,14 @@ _W = TypeVar("_W")
 # landed (`_ProcessWorker.flush`), then goes in order through the pipe (`_Updates`: while the worker process has
 # updates to run, which a counter in shared memory tells, `progress._Progress`, a run of landed ones,
 # `queue._answered_run`, goes as one message, and any other message after them), each with the warnings filters
-# and the torch state of its call, sent only when they changed.
+# and the torch state of its call, sent only when they changed. The worker process runs a message's updates of
+# one object that follow one another as a row (`_ChildServer._run_row`), the global generators compared around
+# the row; its OpenMP threads sleep between parallel ops (`parent._passive_openmp`).
 #
 # Answer. Thread: after each job, the worker counts it run (`_Queue.ran`, one less pending), and wakes the waiters
 # once a run of jobs has run (`queue._answered_run`) or none is left. Process: the worker process answers the
-# updates and calls it ran (`_Ran`, a `_Done` each, which also frees its arena space: one answer after a failure,
-# a draw or a warning, after a run of updates, and when asked, `_Ask`, by a wait here)
+# updates and calls it ran (`_Ran`, a `_Done` each, which also frees its arena space: one answer after a row with
+# a failure, a draw or a warning, after a run of updates, and when asked, `_Ask`, by a wait here)
 # and each read (`_States`), in order: a small answer written at once, a larger one, or one the pipe has no room
 # for, by a thread of its own (`answers.py`); this process takes the answers only when it waits for one
 # (`receive`) or queues an update (`receive_ready`). A read waits until nothing is pending (`settle`), and a
