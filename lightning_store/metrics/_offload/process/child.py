@@ -200,15 +200,10 @@ class _ChildServer:
         for _, number, path, inputs, state in row:
             if state is not None:  # else the same as the last update's
                 self.state = state
-            error, kept, update_s = None, cast(list[tuple], []), 0.0
-            # an object that could not be made here (the parent was told) or whose update failed: its updates not run
-            discarded = object_id in self.failed or object_id in self.broken
-            if object_id not in self.objects and not discarded:  # never sent here: said, not dropped in silence
-                error = _error_info(
-                    RuntimeError("the worker process holds no copy of the Metric (a lightning-store bug)")
-                )
-                self.failed.add(object_id)
-            elif not discarded:
+            kept: list[tuple] = []
+            update_s = 0.0
+            discarded, error = self._passed_over(object_id)
+            if not discarded and error is None:
                 if before is None:
                     before = _host_states(torch_too=True)
                 target = self.objects[object_id].get_submodule(path) if path else self.objects[object_id]
@@ -239,12 +234,9 @@ class _ChildServer:
 
     def _call(self, object_id: int, path: str | None, method: str, args: tuple) -> None:
         """Run ``method`` of the object (its ``reset``, say), unless it could not be made here or failed."""
-        error, kept = None, []
-        discarded = object_id in self.failed or object_id in self.broken
-        if object_id not in self.objects and not discarded:  # never sent here: said, not dropped in silence
-            error = _error_info(RuntimeError("the worker process holds no copy of the Metric (a lightning-store bug)"))
-            self.failed.add(object_id)
-        elif not discarded:
+        kept: list[tuple] = []
+        discarded, error = self._passed_over(object_id)
+        if not discarded and error is None:
             target = self.objects[object_id].get_submodule(path) if path else self.objects[object_id]
             with _KeptWarnings() as caught:
                 try:
@@ -257,6 +249,21 @@ class _ChildServer:
         self.ran.append((object_id, None, error, kept, [], discarded, False, 0.0, None))
         if error is not None or kept or len(self.ran) >= self.answer_every:
             self._answer()
+
+    def _passed_over(self, object_id: int) -> tuple[bool, tuple | None]:
+        """Whether the object's updates and calls are not run here, and the error to send if it was never sent.
+
+        An object that could not be made here (the parent was told) or whose update failed is passed over; one never
+        sent here is said, not dropped in silence, and passed over from then on.
+        """
+        if object_id in self.failed or object_id in self.broken:
+            return True, None
+        if object_id in self.objects:
+            return False, None
+        self.failed.add(object_id)
+        return False, _error_info(
+            RuntimeError("the worker process holds no copy of the Metric (a lightning-store bug)")
+        )
 
     def _answer(self) -> None:
         """Send what ran since the last answer."""

@@ -127,37 +127,39 @@ def _memory_of(tensor: Tensor) -> bytearray:
 
 
 def _tensor(data: bytes | bytearray, dtype: torch.dtype, shape: tuple, stride: tuple, inference: bool) -> Tensor:
-    """A tensor pickled by :class:`_Pickler`, on memory torch allocated (aligned as the original was).
+    """A tensor pickled by :class:`_Pickler`, made by :func:`_dense` (aligned as the original was).
 
     Made in inference mode if it was an inference tensor, else out of it; the mode is entered only if it is not the
     one in force (entering it costs more than making a small tensor, and a read may make thousands).
     """
-    if torch.is_inference_mode_enabled() != inference:
+    if data and len(data) != _span(shape, stride) * dtype.itemsize:  # never seen: the bytes read as they were sent
         with torch.inference_mode(inference):
-            return _tensor(data, dtype, shape, stride, inference)
-    tensor = torch.empty_strided(shape, stride, dtype=dtype)
-    if data:
-        size = tensor.untyped_storage().nbytes()
-        if size != len(data):  # not the span of its layout (never seen): the bytes read as they were sent
             return torch.frombuffer(data, dtype=torch.uint8).clone().view(dtype).as_strided(shape, stride, 0)
-        source = data if isinstance(data, bytes) else (ctypes.c_char * size).from_buffer(data)
-        ctypes.memmove(tensor.data_ptr(), source, size)  # one op, where a tensor of the bytes takes four
-    return tensor
+    source = data if isinstance(data, bytes) else (ctypes.c_char * len(data)).from_buffer(data)
+    return _dense(source, len(data), dtype, shape, stride, inference)
+
+
+def _span(shape: tuple, stride: tuple) -> int:
+    """The elements a layout spans in its storage, as ``torch.empty_strided`` allocates them."""
+    if 0 in shape:
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
 
 
 def _dense(
-    source: int | bytes, nbytes: int, dtype: torch.dtype, shape: tuple, stride: tuple, inference: bool
+    source: int | bytes | ctypes.Array, nbytes: int, dtype: torch.dtype, shape: tuple, stride: tuple, inference: bool
 ) -> Tensor:
-    """A dense tensor of ``shape`` and ``stride``, its ``nbytes`` (its whole span) copied from ``source`` in one move.
+    """A tensor of ``shape`` and ``stride``, its ``nbytes`` (its whole span) copied from ``source`` in one move.
 
-    ``source``: an address, or bytes. Made as :func:`_tensor` makes one, where a view of the memory and its clone
-    cost three ops.
+    ``source``: an address, or bytes. One op, where a view of the memory and its clone, or a tensor of the bytes,
+    cost three or four. Made in inference mode if ``inference``, else out of it.
     """
     if torch.is_inference_mode_enabled() != inference:
         with torch.inference_mode(inference):
             return _dense(source, nbytes, dtype, shape, stride, inference)
     tensor = torch.empty_strided(shape, stride, dtype=dtype)
-    ctypes.memmove(tensor.data_ptr(), source, nbytes)
+    if nbytes:
+        ctypes.memmove(tensor.data_ptr(), source, nbytes)
     return tensor
 
 
