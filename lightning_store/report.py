@@ -50,8 +50,9 @@ class KeyStorage:
         waited_s: for an offloaded ``Metric``, the seconds its ``update`` calls have waited, in all, for the queue
             to have room (``max_pending``).
         worker_behind: for an offloaded ``Metric``, whether its worker fell behind the calls over the latest 50
-            updates (half of them waited for room): the step then waits for the Metric's work anyway, and
-            offloading it costs more than it saves (a ``StoreOnCPUWarning`` says so, once).
+            updates (they waited for room for half of their time or more): the step then waits for the Metric's
+            work, and takes about as long as the update does in the worker (a ``StoreOnCPUWarning`` says so,
+            once).
 
     Example:
         >>> row = KeyStorage("train", "training_step", "loss", None, "tensor",

@@ -1,5 +1,6 @@
 """An offloaded Metric whose worker falls behind the calls says so, once, with the figures and what to do."""
 
+import re
 import time
 import warnings
 
@@ -36,9 +37,25 @@ def test_a_worker_that_falls_behind_is_said_once_at_the_callers_line():
     behind = [w for w in caught if "falls behind" in str(w.message)]
     assert len(behind) == 1 and behind[0].filename == __file__
     message = str(behind[0].message)
-    assert f" of the last {WINDOW} calls (" in message
+    assert f" of the last {WINDOW} calls' " in message
+    waited, window = (float(figure) for figure in re.findall(r"([0-9.]+) s\b", message)[:2])
+    assert 0 < window / 2 <= waited <= window  # the calls waited for half the window's time or more
     assert message.endswith("if the calls come in bursts, a larger max_pending (now 2) absorbs them.")
     assert _queue_of(metric).lag.behind
+    assert torch.equal(metric.compute(), plain.compute())
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_a_worker_that_falls_behind_is_said_with_the_default_max_pending(worker):
+    # a caller waiting for room is woken once half of max_pending has run: few calls wait, for long
+    metric, plain = offload_to_cpu(Slow(), worker=worker), SumMetric()
+    with pytest.warns(StoreOnCPUWarning, match=r"^Slow: its offload worker falls behind: `update` waited") as caught:
+        for _ in range(3 * WINDOW):
+            metric.update(torch.ones(1))
+            plain.update(torch.ones(1))
+    queue = _queue_of(metric)
+    assert queue.lag.behind and 0 < queue.waits < WINDOW // 2
+    assert sum("falls behind" in str(w.message) for w in caught) == 1
     assert torch.equal(metric.compute(), plain.compute())
 
 

@@ -597,9 +597,9 @@ def test_the_worker_process_runs_the_update_the_offloaded_metric_queues():
 
 
 def test_max_pending_defaults_by_worker():
-    assert _queue_of(offload_to_cpu(MeanMetric())).max_pending == 32  # inputs wait in shared memory of its own size
+    assert _queue_of(offload_to_cpu(MeanMetric())).max_pending == 64  # inputs wait in shared memory of its own size
     assert _queue_of(offload_to_cpu(MeanMetric(), worker="thread")).max_pending == 16  # each holds a copy
     metric = offload_to_cpu(MeanMetric(), worker="thread", max_pending=3)
     assert _queue_of(offload_to_cpu(metric, worker="thread")).max_pending == 16  # given again: the default again
-    with pytest.raises(TypeError, match=r"HINT: pass a number of updates, such as max_pending=32 \(worker='process'"):
+    with pytest.raises(TypeError, match=r"HINT: pass a number of updates, such as max_pending=64 \(worker='process'"):
         offload_to_cpu(MeanMetric(), max_pending=2.0)  # type: ignore[arg-type]

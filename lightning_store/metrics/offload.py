@@ -47,7 +47,7 @@ def offload_to_cpu(
             ``MetricCollection`` or a ``MetricTracker``, configured in place with every Metric it holds, which
             share its queue.
         max_pending: the most updates that wait for the worker; one more waits in ``update`` until one has run.
-            ``None``: 32 for a worker process, whose updates wait with their inputs in shared memory of a size of its
+            ``None``: 64 for a worker process, whose updates wait with their inputs in shared memory of a size of its
             own, whatever their count; 16 for a worker thread, each of whose updates holds a copy of its inputs.
         worker: ``"process"``, a process of its own, which runs the updates of every Metric offloaded to it, or
             ``"thread"``, a thread of this process.
