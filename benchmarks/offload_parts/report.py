@@ -24,6 +24,7 @@ class Row:
     base: list[float] = field(default_factory=list)
     absolute_goal: float | None = None  # in seconds, against the offloaded median, where a ratio is not the goal
     added_goal: float | None = None  # in seconds, against the median over rounds of offloaded less baseline
+    worst_goal: float | None = None  # against the largest ratio of a round, where each round must meet a bound
     offloaded: list[float] = field(default_factory=list)
 
 
@@ -77,6 +78,12 @@ def goals(rows: list[Row]) -> list[str]:
         ratio = quartiles([o / b for o, b in zip(row.offloaded, row.base, strict=True)])[1]
         if row.goal is not None:
             found.append(f"part {row.part}, {row.what}: ratio {ratio:.3f} <= {row.goal}: {_met(ratio <= row.goal)}")
+        if row.worst_goal is not None:
+            worst = max(o / b for o, b in zip(row.offloaded, row.base, strict=True))
+            found.append(
+                f"part {row.part}, {row.what}: every round, ratio at most {worst:.3f} <= {row.worst_goal}:"
+                f" {_met(worst <= row.worst_goal)}"
+            )
         if row.absolute_goal is not None:
             median = statistics.median(row.offloaded)
             found.append(
