@@ -70,7 +70,7 @@ import torchmetrics
 from _tables import add_docs_option, publish
 from offload_parts.costs import guard, tiny
 from offload_parts.gpu import gpu
-from offload_parts.launch import LAUNCH_STEPS, _launch_metrics, launch
+from offload_parts.launch import LAUNCH_STEPS, launch
 from offload_parts.report import Report, goals, table, warm_up_allocator
 from offload_parts.saves import LOOP_BATCH, LOOP_STEPS, LOOP_WIDTH, heavy, loop
 
@@ -92,7 +92,7 @@ def run_parts(args: argparse.Namespace, report: Report) -> None:
     if "guard" in args.parts:
         guard(report, rounds, 3 if args.quick else 20)
     if "launch" in args.parts:
-        launch(report, rounds, 10 if args.quick else LAUNCH_STEPS, only=args.metric)
+        launch(report, rounds, 10 if args.quick else LAUNCH_STEPS)
     if "gpu" in args.parts:
         if torch.cuda.is_available():
             gpu(report, rounds, args.quick, torch.device("cuda", torch.cuda.current_device()))
@@ -100,22 +100,20 @@ def run_parts(args: argparse.Namespace, report: Report) -> None:
             print(f"GPU part skipped: torch.cuda.is_available() is False (torch {torch.__version__})")
 
 
-def run_part_apart(args: argparse.Namespace, part: str, report: Report, metric: int | None = None) -> None:
-    """Run one part (one of part 5's Metrics: ``metric``) in a Python process of its own, into ``report``.
+def run_part_apart(args: argparse.Namespace, part: str, report: Report) -> None:
+    """Run one part in a Python process of its own, into ``report``.
 
     A part's figures must not depend on the parts run before it. They did in one process: a part whose Metrics
     allocate large temporaries leaves glibc's heap with large free regions, and the first allocation of a few
     hundred bytes or more after a step of only small tensors then stalls for milliseconds, once in a while. A step
     with no Metric (the baseline of part 5) never makes one, and the offloaded steps beside it paid the stalls.
-    Part 5's Metrics did the same to one another: after those before it, the step without a Metric beside word
-    error rate took 2.6 to 2.7 ms in some rounds and 3.1 to 3.3 ms in others; 2.69 to 2.74 ms in a process of its
-    own.
+    Part 5's Metrics did the same to one another, and its ways: it runs each way of each Metric in a process of its
+    own (``offload_parts.launch._Way``).
     """
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "report.pickle")
         command = [sys.executable, __file__, "--parts", part, "--rounds", str(args.rounds), "--calls", str(args.calls)]
         command += ["--threads", str(args.threads), "--report-to", path] + (["--quick"] if args.quick else [])
-        command += [] if metric is None else ["--metric", str(metric)]
         subprocess.run(command, check=True)
         with open(path, "rb") as file:
             done = pickle.load(file)
@@ -133,7 +131,6 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds: checks the script itself")
     parser.add_argument("--report-to", help=argparse.SUPPRESS)  # run the parts here, pickle what they measured there
-    parser.add_argument("--metric", type=int, help=argparse.SUPPRESS)  # part 5: only its Metric at this index
     add_docs_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -154,8 +151,7 @@ def main() -> None:
     )
     for part in PARTS:
         if part in args.parts:
-            for metric in range(len(_launch_metrics())) if part == "launch" else [None]:
-                run_part_apart(args, part, report, metric)
+            run_part_apart(args, part, report)
     intro = [
         f"`benchmarks/offload.py`, {torch.get_num_threads()} torch thread(s), {rounds} rounds, each part (each way of"
         " each Metric of part 5) in a process of its own: each ratio is the offloaded time over the baseline's,"

@@ -128,8 +128,8 @@ def _launch_bound_steps(
     return (time.perf_counter() - start) / steps, in_update / steps
 
 
-def launch(report: Report, rounds: int, steps: int, only: int | None = None) -> None:
-    """Measure part 5 into ``report``: each Metric of :func:`_launch_metrics`, or only the one at index ``only``.
+def launch(report: Report, rounds: int, steps: int) -> None:
+    """Measure part 5 into ``report``: each Metric of :func:`_launch_metrics`.
 
     Each way (no Metric, inline, each worker) runs in a process of its own (:class:`_Way`), asked in turn, in a
     shuffled order each round. Measured side by side in one process, the step without a Metric took 5 to 7% longer
@@ -138,8 +138,6 @@ def launch(report: Report, rounds: int, steps: int, only: int | None = None) -> 
     """
     rng = random.Random(4)
     for index, (name, (_, _, ops)) in enumerate(_launch_metrics().items()):
-        if only is not None and index != only:
-            continue
         with contextlib.ExitStack() as stack:
             ways = {way: stack.enter_context(_Way(index, way)) for way in ("none", "inline", *WORKERS)}
             _launch_rounds(report, name, ops, ways, rounds, steps, rng)
@@ -148,7 +146,7 @@ def launch(report: Report, rounds: int, steps: int, only: int | None = None) -> 
                 f" (once an epoch in a fit; left out of the steps above) took {ways['process'].ask('read', steps):.1f}"
                 " ms"
             )
-    if only in (None, 0) and "MeanAveragePrecision (faster_coco_eval), 8 images" not in _launch_metrics():
+    if "MeanAveragePrecision (faster_coco_eval), 8 images" not in _launch_metrics():
         report.notes.append("launch-bound step: MeanAveragePrecision left out: `pip install faster-coco-eval` adds it")
 
 
@@ -163,7 +161,7 @@ def _launch_rounds(
         for worker in (WORKERS if short else ())
     }
     warm_up = min(WARM_UP_STEPS, steps)
-    in_update: dict[str, list[float]] = {way: [] for way in ("inline", *WORKERS)}
+    in_update: dict[str, list[float]] = {way: [] for way in goal}
     for _ in range(rounds):
         per_way = {}
         for way in shuffled(list(ways), rng):
