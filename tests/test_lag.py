@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
 from lightning_store import StoreOnCPUWarning, offload_to_cpu, storage_report
-from lightning_store.metrics._offload.queue import WINDOW
+from lightning_store.metrics._offload.process.parent import _process_worker
+from lightning_store.metrics._offload.queue import WINDOW, _Lag
 from lightning_store.metrics._reads import _queue_of
 
 
@@ -81,6 +82,37 @@ def test_a_worker_that_keeps_up_beside_a_step_says_nothing(worker):
     queue = _queue_of(metric)
     assert not queue.lag.behind and queue.waits < WINDOW // 2  # a hiccup of the machine may make a call wait
     assert metric.compute() == 2 * WINDOW
+
+
+def test_a_worker_process_starting_is_not_said_to_fall_behind():
+    # the calls that wait for a worker process to start (seconds) wait for no update: it keeps up once started
+    worker = _process_worker()
+    if worker.process is not None:  # one started before: the first update here starts a new one
+        worker.process.kill()
+        worker.process.join(10)
+    metric = offload_to_cpu(SumMetric(), worker="process", max_pending=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*falls behind", category=StoreOnCPUWarning)  # the lag's
+        for _ in range(2 * WINDOW):
+            metric.update(torch.ones(1))
+            time.sleep(0.005)  # a step: the worker runs the update meanwhile, once it has started
+    queue = _queue_of(metric)
+    assert queue.waits >= 1 and queue.waited_s > 0.1  # the third call waited for the start, in the first window
+    assert not queue.lag.behind
+    assert metric.compute() == 2 * WINDOW
+
+
+def test_a_wait_for_the_start_is_counted_in_all_and_a_new_window_starts_after_it():
+    lag = _Lag()
+    now = time.perf_counter()
+    for _ in range(WINDOW - 1):  # calls queued while the worker process starts, the last of which waits
+        assert lag.count(now, None, "M", 2) is None
+    assert lag.count(now, 10.0, "M", 2, starting=True) is None
+    assert (lag.waits, lag.waited_s, lag.window_calls) == (1, 10.0, 0)
+    for _ in range(WINDOW - 1):
+        assert lag.count(time.perf_counter(), None, "M", 2) is None
+    assert lag.count(time.perf_counter(), 0.5, "M", 2) is not None  # a wait of most of the window's time
+    assert lag.behind and lag.waits == 2
 
 
 class SlowMetricModel(pl.LightningModule):

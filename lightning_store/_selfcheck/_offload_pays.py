@@ -1,5 +1,6 @@
 """Check 10, a measurement: whether offloading a Metric pays here beside a step that runs Python, by worker."""
 
+import contextlib
 import statistics
 import time
 from typing import Any, cast
@@ -11,8 +12,10 @@ from torchmetrics.classification import BinaryAUROC
 from lightning_store import offload_to_cpu
 from lightning_store._selfcheck._core import Context, Outcome
 from lightning_store._selfcheck._fits import quiet
+from lightning_store._selfcheck._way import Way
 from lightning_store.metrics._offload.process.parent import _ProcessWorker  # no public API starts one alone
 from lightning_store.metrics._reads import _queue_of  # the figures an offloaded Metric's own warning gives
+from lightning_store.metrics.offload import _Worker
 
 OPS = 900  # small ops a step: a step mostly Python, as a host launching a GPU's kernels
 PREDICTIONS = 1000
@@ -74,30 +77,56 @@ def _resident_bytes(pid: int) -> int | None:
     return None
 
 
-def check_offload_pays(context: Context) -> Outcome:
-    """The step with the Metric inline, offloaded to a thread and to a process, over the step without it."""
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
-    batches = [
+    return [
         (torch.rand(PREDICTIONS, generator=generator), torch.randint(0, 2, (PREDICTIONS,), generator=generator))
         for _ in range(4)
     ]
-    metrics: dict[str, Metric | None] = {"none": None, "inline": BinaryAUROC(thresholds=200)}
-    metrics |= {worker: offload_to_cpu(BinaryAUROC(thresholds=200), worker=worker) for worker in ("thread", "process")}
+
+
+def _serve(way: str, threads: int, conn: Any) -> None:
+    """A way's process (``_way.Way``): ``"steps"``, ``"payoff"`` and ``"read"`` answered, until ``None``.
+
+    Its last answer is the messages of lightning-store's warnings given there: a worker that falls behind warns,
+    which is part of what the check found, not a fault of a user's line.
+    """
+    torch.set_num_threads(threads)
+    try:
+        with quiet() as warned:
+            batches = _batches()
+            metric: Metric | None = None if way == "none" else BinaryAUROC(thresholds=200)
+            if way in ("thread", "process"):
+                metric = offload_to_cpu(BinaryAUROC(thresholds=200), worker=cast(_Worker, way))
+            _steps(metric, batches)  # warm-up: a worker process starts
+            while (request := conn.recv()) is not None:
+                if request == "steps":
+                    conn.send(_steps(metric, batches))
+                elif request == "payoff":  # per update, as the Metric measures it to warn that it does not pay
+                    queue = _queue_of(cast(Metric, metric))
+                    conn.send(queue.payoff.last if queue is not None else None)
+                else:
+                    conn.send(_read_s(cast(Metric, metric), batches))
+        conn.send(warned)
+    except Exception as error:  # sent as it can be pickled: the parent raises it
+        conn.send(RuntimeError(f"{type(error).__name__}: {error}"))
+
+
+def check_offload_pays(context: Context) -> Outcome:
+    """The step with the Metric inline, offloaded to a thread and to a process, over the step without it.
+
+    Each way runs in a process of its own (``_way.py``), asked in turn, the order reversed every other round.
+    """
     times: dict[str, list[float]] = {way: [] for way in WAYS}
-    # a worker that falls behind warns: the warning is part of what this check found, not a fault of a user's line
-    with quiet() as warned:
-        for metric in metrics.values():  # warm-up: the worker process starts
-            _steps(metric, batches)
+    with contextlib.ExitStack() as stack:
+        ways = {way: stack.enter_context(Way(way, _serve)) for way in WAYS}
         for round_ in range(ROUNDS):
             for way in WAYS if round_ % 2 == 0 else reversed(WAYS):
-                times[way].append(_steps(metrics[way], batches))
-    read_s = _read_s(cast(Metric, metrics["process"]), batches)
+                times[way].append(ways[way].ask("steps"))
+        payoffs = {worker: ways[worker].ask("payoff") for worker in ("thread", "process")}
+        read_s = ways["process"].ask("read")
+        warned = list(dict.fromkeys(message for way in ways.values() for message in way.close()))
     start_s, resident = _worker_process_start()
-    # per update, as the Metric measures it to warn that offloading does not pay: hand-off, work moved, Python held
-    payoffs = {}
-    for worker in ("thread", "process"):
-        queue = _queue_of(cast(Metric, metrics[worker]))
-        payoffs[worker] = queue.payoff.last if queue is not None else None
     step = statistics.median(times["none"])
     ratios = {way: statistics.median(times[way]) / step for way in WAYS[1:]}
     best = min(ratios, key=ratios.__getitem__)

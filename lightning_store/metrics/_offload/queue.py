@@ -122,14 +122,15 @@ class _Queue:
         self.pending -= count
         self.dropped += count
 
-    def _count_call(self, started: float, waited: float | None) -> None:
+    def _count_call(self, started: float, waited: float | None, starting: bool = False) -> None:
         """Count an update's call, ``started`` at that ``perf_counter()``, which ``waited`` for room (or did not).
 
+        ``starting``: the call waited for a worker process to start, not for updates (see :meth:`_Lag.count`).
         Said once each: that the worker falls behind (the lag), that offloading costs the step more than it saves.
         """
         handoff_s = time.perf_counter() - started - (waited or 0.0)
         for message in (
-            self.lag.count(started, waited, self.name, self.max_pending),
+            self.lag.count(started, waited, self.name, self.max_pending, starting),
             self.payoff.called(handoff_s, self.name, self.worker),
         ):
             if message is not None:
@@ -227,7 +228,8 @@ class _Lag:
     the worker is: what tells it is the time they waited. Once the calls of a window (from the first one's start
     to the last one's end) waited for half of its time or more, the worker is behind (``behind``), and
     :meth:`count` returns the message that says so, the first time only. ``waits`` and ``waited_s`` count every
-    call that waited since the Metric was offloaded.
+    call that waited since the Metric was offloaded. A call that waited for a worker process to start (its calls
+    queued meanwhile) is counted there, not in a window: a new one starts after it.
     """
 
     __slots__ = (
@@ -246,25 +248,32 @@ class _Lag:
         self.waited_s = self.window_waited_s = self.window_started = 0.0
         self.behind = self.told = False
 
-    def count(self, started: float, waited_s: float | None, name: str, max_pending: int) -> str | None:
+    def count(
+        self, started: float, waited_s: float | None, name: str, max_pending: int, starting: bool = False
+    ) -> str | None:
         """Count a call ``started`` at that ``perf_counter()``, which ``waited_s`` for room (``None``: it did not).
 
-        Returns the message that the worker falls behind, once.
+        ``starting``: it waited for a worker process to start (seconds), with the updates queued meanwhile, which
+        says nothing of the worker's pace: counted in all, and a new window starts after it. Returns the message
+        that the worker falls behind, once.
         """
+        if waited_s is not None:
+            self.waits += 1
+            self.waited_s += waited_s
+        if starting:
+            self._new_window()
+            return None
         if self.window_calls == 0:
             self.window_started = started
         self.window_calls += 1
         if waited_s is not None:
-            self.waits += 1
-            self.waited_s += waited_s
             self.window_waits += 1
             self.window_waited_s += waited_s
         if self.window_calls < WINDOW:
             return None
         calls, waits, waited_s = self.window_calls, self.window_waits, self.window_waited_s
         window_s = time.perf_counter() - self.window_started
-        self.window_calls = self.window_waits = 0
-        self.window_waited_s = 0.0
+        self._new_window()
         self.behind = 2 * waited_s >= window_s
         if not self.behind or self.told:
             return None
@@ -277,3 +286,7 @@ class _Lag:
             " Metric kept as it is (not offloaded); if the calls come in bursts, a larger max_pending (now"
             f" {max_pending}) absorbs them."
         )
+
+    def _new_window(self) -> None:
+        self.window_calls = self.window_waits = 0
+        self.window_waited_s = 0.0

@@ -108,6 +108,7 @@ class _ProcessWorker:
         self.to_drop: list[int] = []
         self.stopping = False
         self.ready = False  # whether the worker process started (it said so)
+        self.waited_for_start = False  # whether `wait_for_room` waited before it had started (the queue asks)
         self.fatal: tuple | None = None  # the error that ended it, as it sent it
         self.generation = 0  # counts the worker processes lost: a message sent to a lost one is sent again
 
@@ -270,7 +271,11 @@ class _ProcessWorker:
             self.send_bytes(pickle.dumps(_messages._wire(message), pickle.HIGHEST_PROTOCOL))
 
     def wait_for_room(self) -> None:
-        """Send the updates held, and wait for the next answer: an update's call whose queue is full."""
+        """Send the updates held, and wait for the next answer: an update's call whose queue is full.
+
+        Before the worker process has said it started, the call waits for its start (``waited_for_start``).
+        """
+        self.waited_for_start |= not self.ready
         self.flush(wait=False)
         if not self.running:  # what is pending waits for its device copies: they are waited for
             self.flush()

@@ -92,7 +92,9 @@ class _ProcessQueue(_Queue):
         outgoing = _Outgoing(args, kwargs)
         with worker.lock:
             self._send_root()
+            worker.waited_for_start = False
             waited = _wait_for_room(self, worker.wait_for_room, worker.receive_ready)
+            starting = worker.waited_for_start
             if self.lost is not None:  # lost while it waited
                 self.report()
             head = (self.id, self.queued + 1, path)
@@ -108,7 +110,7 @@ class _ProcessQueue(_Queue):
             self.queued += 1
             self.ahead_there = True
             worker.flush(wait=False, hold=True)
-        self._count_call(called, waited)
+        self._count_call(called, waited, starting)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:
         worker = _process_worker()
