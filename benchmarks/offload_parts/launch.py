@@ -1,7 +1,7 @@
 """Part 5 of ``benchmarks/offload.py``: a launch-bound step (many small ops) beside an offloaded Metric."""
 
 import contextlib
-import multiprocessing
+import functools
 import random
 import statistics
 import time
@@ -16,6 +16,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import StoreOnCPUWarning, offload_to_cpu
+from lightning_store._selfcheck._way import Way  # each way in a fresh process, as the self-check runs them
 from lightning_store.metrics._reads import _is_offloaded, _queue_of  # waiting for the updates, not the states back
 from offload_parts.report import WORKERS, Report, Row, settle, shuffled, warm_up_allocator
 from offload_parts.saves import binary, multiclass
@@ -131,27 +132,28 @@ def _launch_bound_steps(
 def launch(report: Report, rounds: int, steps: int) -> None:
     """Measure part 5 into ``report``: each Metric of :func:`_launch_metrics`.
 
-    Each way (no Metric, inline, each worker) runs in a process of its own (:class:`_Way`), asked in turn, in a
-    shuffled order each round. Measured side by side in one process, the step without a Metric took 5 to 7% longer
-    after an inline binned AUROC's updates, and 4% longer in a process with an idle worker thread: the offloaded
-    ratios read lower than they are.
+    Each way (no Metric, inline, each worker) runs in a process of its own (the self-check's ``Way``), asked in
+    turn, in a shuffled order each round. Measured side by side in one process, the step without a Metric took 5
+    to 7% longer after an inline binned AUROC's updates, and 4% longer in a process with an idle worker thread: the
+    offloaded ratios read lower than they are.
     """
     rng = random.Random(4)
     for index, (name, (_, _, ops)) in enumerate(_launch_metrics().items()):
         with contextlib.ExitStack() as stack:
-            ways = {way: stack.enter_context(_Way(index, way)) for way in ("none", "inline", *WORKERS)}
+            serve = functools.partial(_serve_way, index)
+            ways = {way: stack.enter_context(Way(way, serve)) for way in ("none", "inline", *WORKERS)}
             _launch_rounds(report, name, ops, ways, rounds, steps, rng)
             report.notes.append(
                 f"launch-bound step, {name}: reading the states back from the worker process after {steps} updates"
-                f" (once an epoch in a fit; left out of the steps above) took {ways['process'].ask('read', steps):.1f}"
-                " ms"
+                f" (once an epoch in a fit; left out of the steps above) took"
+                f" {ways['process'].ask(('read', steps)):.1f} ms"
             )
     if "MeanAveragePrecision (faster_coco_eval), 8 images" not in _launch_metrics():
         report.notes.append("launch-bound step: MeanAveragePrecision left out: `pip install faster-coco-eval` adds it")
 
 
 def _launch_rounds(
-    report: Report, name: str, ops: int, ways: dict[str, "_Way"], rounds: int, steps: int, rng: random.Random
+    report: Report, name: str, ops: int, ways: dict[str, Way], rounds: int, steps: int, rng: random.Random
 ) -> None:
     short = ops < LAUNCH_OPS  # the update takes longer than the step: offloading must save most of it
     goal = {way: None if short or way == "inline" else GOAL_LAUNCH for way in ("inline", *WORKERS)}
@@ -165,7 +167,7 @@ def _launch_rounds(
     for _ in range(rounds):
         per_way = {}
         for way in shuffled(list(ways), rng):
-            per_way[way], update_s = ways[way].ask("measure", steps, warm_up)
+            per_way[way], update_s = ways[way].ask(("measure", steps, warm_up))
             if way in in_update:
                 in_update[way].append(update_s)
         for way, row in rows.items():
@@ -174,9 +176,9 @@ def _launch_rounds(
         for worker, row in against_inline.items():
             row.base.append(per_way["inline"])
             row.offloaded.append(per_way[worker])
-        inline = ways["inline"].ask("value")
+        inline = ways["inline"].ask(("value",))
         for worker in WORKERS:
-            report.check(f"{name}, {worker}", ways[worker].ask("value"), inline)
+            report.check(f"{name}, {worker}", ways[worker].ask(("value",)), inline)
     report.rows += [*rows.values(), *against_inline.values()]
     report.notes.append(
         f"launch-bound step, {name}: the caller's time in `update`, per step (medians over the rounds): "
@@ -192,50 +194,8 @@ def _launch_rounds(
         )
 
 
-class _Way:
-    """One way of running part 5's step (``"none"``, ``"inline"``, or a worker) in a process of its own.
-
-    The process makes the inputs of the Metric at ``index`` of :func:`_launch_metrics` from the same seed as every
-    other way's, and its Metric (offloaded, for a worker), runs a few steps (a worker process starts), then
-    answers :meth:`ask` until the ``with`` block ends.
-    """
-
-    def __init__(self, index: int, way: str) -> None:
-        self.way = way
-        self.conn, theirs = multiprocessing.Pipe()
-        context = multiprocessing.get_context("spawn")  # not a fork of a process that has run other ways
-        self.process = context.Process(target=_serve_way, args=(index, way, torch.get_num_threads(), theirs))
-        self.process.start()  # not a daemon: the way's own worker process is a child of it
-        theirs.close()
-
-    def __enter__(self) -> "_Way":
-        return self
-
-    def ask(self, *request: Any) -> Any:
-        """Send ``request`` (``("measure", steps, warm_up)``, ``("value",)``, ``("read", steps)``); its answer."""
-        self.conn.send(request)
-        if not self.conn.poll(_ANSWER_S):
-            raise TimeoutError(f"part 5's process for {self.way!r} gave no answer to {request} in {_ANSWER_S} s")
-        answer = self.conn.recv()
-        if isinstance(answer, BaseException):
-            raise RuntimeError(f"part 5's process for {self.way!r} failed on {request}") from answer
-        return answer
-
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(OSError):
-            self.conn.send(None)
-        self.process.join(_ANSWER_S)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self.conn.close()
-
-
-_ANSWER_S = 600.0  # the longest a way's process may take to answer: a measure takes seconds
-
-
 def _serve_way(index: int, way: str, threads: int, conn: Any) -> None:
-    """The process of one :class:`_Way`: its step measured, its Metric's value, its states read back, as asked."""
+    """The process of one way (a ``Way``): its step measured, its Metric's value, its states read back, as asked."""
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore", category=StoreOnCPUWarning)  # the short step falls behind on purpose
     warm_up_allocator()

@@ -51,11 +51,11 @@ class Way:
     def _answer(self, request: Any) -> Any:
         if not self.conn.poll(_ANSWER_S):
             raise TimeoutError(
-                f"the self-check's process for {self.way!r} gave no answer to {request!r} in {_ANSWER_S:.0f} s"
+                f"the process of the way {self.way!r} gave no answer to {request!r} in {_ANSWER_S:.0f} s"
             )
         answer = self.conn.recv()
         if isinstance(answer, BaseException):
-            raise RuntimeError(f"the self-check's process for {self.way!r} failed on {request!r}: {answer}") from answer
+            raise RuntimeError(f"the process of the way {self.way!r} failed on {request!r}: {answer}") from answer
         return answer
 
     def __exit__(self, *exc: object) -> None:
