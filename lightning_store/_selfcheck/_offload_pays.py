@@ -13,6 +13,7 @@ from lightning_store import offload_to_cpu
 from lightning_store._selfcheck._core import Context, Outcome
 from lightning_store._selfcheck._fits import quiet
 from lightning_store._selfcheck._way import Way
+from lightning_store.metrics._offload.process.child import _keep_freed_memory
 from lightning_store.metrics._offload.process.parent import _ProcessWorker  # no public API starts one alone
 from lightning_store.metrics._reads import _queue_of  # the figures an offloaded Metric's own warning gives
 from lightning_store.metrics.offload import _Worker
@@ -20,7 +21,7 @@ from lightning_store.metrics.offload import _Worker
 OPS = 900  # small ops a step: a step mostly Python, as a host launching a GPU's kernels
 PREDICTIONS = 1000
 STEPS = 30
-ROUNDS = 3
+ROUNDS = 7
 WAYS = ("none", "inline", "thread", "process")
 
 
@@ -92,6 +93,7 @@ def _serve(way: str, threads: int, conn: Any) -> None:
     which is part of what the check found, not a fault of a user's line.
     """
     torch.set_num_threads(threads)
+    _keep_freed_memory()  # as in a training process, which has freed large blocks before (its model's, say)
     try:
         with quiet() as warned:
             batches = _batches()

@@ -83,7 +83,7 @@ def _keep_freed_memory() -> None:
     glibc hands a large block back to the system when it is freed, until a block that large has been freed once
     (then it raises its threshold for it, up to 32 MiB). A Metric's update makes temporaries of a few MiB (a binned
     AUROC of 8,192 predictions: 13 MiB each); handed back and mapped again at every update, they page-fault afresh.
-    This process is the worker's own: the setting touches nothing of the training process.
+    Called in processes of lightning-store's own (the worker, the self-check's ways): it touches no training process.
     """
     block = torch.empty(30 * 2**20, dtype=torch.uint8)
     del block
