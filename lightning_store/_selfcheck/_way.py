@@ -8,6 +8,7 @@ and answers the parent's requests in turn, so that the rounds stay paired.
 
 import contextlib
 import multiprocessing
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ _END_S = 30.0  # the longest it may take to end once told (its worker process en
 
 
 class Way:
-    """The process of one way: ``serve(way, conn)`` runs there, and answers each request sent to it.
+    """The process of one way: ``serve(way, threads, conn)`` runs there, and answers each request sent to it.
 
     Args:
         way: ``"none"``, ``"inline"``, ``"thread"`` or ``"process"``.
@@ -30,7 +31,7 @@ class Way:
         self.way = way
         self.conn, theirs = multiprocessing.Pipe()
         context = multiprocessing.get_context("spawn")  # a fresh process, not a fork of this one
-        self.process = context.Process(target=serve, args=(way, torch.get_num_threads(), theirs))
+        self.process = context.Process(target=_run, args=(serve, way, torch.get_num_threads(), theirs))
         self.process.start()  # not a daemon: the way's own worker process is a child of it
         theirs.close()
         self.closed = False
@@ -68,3 +69,13 @@ class Way:
             self.process.join()
         with contextlib.suppress(OSError):
             self.conn.close()
+
+
+def _run(serve: Callable[[str, int, Any], None], way: str, threads: int, conn: Any) -> None:
+    """``serve`` in the way's process, Ctrl-C ignored.
+
+    Ctrl-C in a terminal interrupts the whole process group: the parent hears it, and tells this process to end
+    (no second traceback).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve(way, threads, conn)
