@@ -3,10 +3,10 @@
 Every figure is a ratio, offloaded to plain, measured side by side in one run: the ways run in a shuffled order in
 each round, each round gives one ratio, and the script prints the median ratio over rounds with its interquartile
 range (the machine's noise). Each part runs in a Python process of its own (see ``run_part_apart``), which first
-allocates and frees 30 MiB (see ``offload_parts.report.warm_up_allocator``), as a training process has freed
-something large before its steps: no part's figures depend on the parts run before it; part 5 runs each way of
-each Metric in a process of its own too. Each runs at ``--threads`` intra-op threads (default 1; the worker
-thread of ``offload_to_cpu`` uses the same number). Every offloaded Metric's value is checked equal
+allocates and frees 30 MiB (lightning-store's ``_keep_freed_memory``, as its worker process does), as a training
+process has freed something large before its steps: no part's figures depend on the parts run before it; part 5
+runs each way of each Metric in a process of its own too. Each runs at ``--threads`` intra-op threads (default 1;
+the worker thread of ``offload_to_cpu`` uses the same number). Every offloaded Metric's value is checked equal
 (``torch.equal``) to that of the same Metric run plainly on the same inputs; a mismatch is printed and the script
 exits with 1.
 
@@ -71,10 +71,11 @@ from _tables import add_docs_option, publish
 from offload_parts.costs import guard, tiny
 from offload_parts.gpu import gpu
 from offload_parts.launch import LAUNCH_STEPS, launch
-from offload_parts.report import Report, goals, table, warm_up_allocator
+from offload_parts.report import Report, goals, table
 from offload_parts.saves import LOOP_BATCH, LOOP_STEPS, LOOP_WIDTH, heavy, loop
 
 from lightning_store import StoreOnCPUWarning
+from lightning_store.metrics._offload.process.child import _keep_freed_memory
 
 PARTS = ("heavy", "loop", "tiny", "guard", "launch", "gpu")
 
@@ -108,7 +109,7 @@ def run_part_apart(args: argparse.Namespace, part: str, report: Report) -> None:
     hundred bytes or more after a step of only small tensors then stalls for milliseconds, once in a while. A step
     with no Metric (the baseline of part 5) never makes one, and the offloaded steps beside it paid the stalls.
     Part 5's Metrics did the same to one another, and its ways: it runs each way of each Metric in a process of its
-    own (``offload_parts.launch._Way``).
+    own (the self-check's ``Way``, ``lightning_store/_selfcheck/_way.py``).
     """
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "report.pickle")
@@ -138,7 +139,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=StoreOnCPUWarning)  # the tight loops here fall behind on purpose
     report = Report()
     if args.report_to:
-        warm_up_allocator()
+        _keep_freed_memory()
         run_parts(args, report)
         with open(args.report_to, "wb") as file:
             pickle.dump(report, file)

@@ -17,8 +17,9 @@ from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import StoreOnCPUWarning, offload_to_cpu
 from lightning_store._selfcheck._way import Way  # each way in a fresh process, as the self-check runs them
+from lightning_store.metrics._offload.process.child import _keep_freed_memory  # as a training process has
 from lightning_store.metrics._reads import _is_offloaded, _queue_of  # waiting for the updates, not the states back
-from offload_parts.report import WORKERS, Report, Row, settle, shuffled, warm_up_allocator
+from offload_parts.report import WORKERS, Report, Row, settle, shuffled
 from offload_parts.saves import binary, multiclass
 
 GOAL_LAUNCH = 1.10  # the step with the Metric offloaded, against the step without it
@@ -198,7 +199,7 @@ def _serve_way(index: int, way: str, threads: int, conn: Any) -> None:
     """The process of one way (a ``Way``): its step measured, its Metric's value, its states read back, as asked."""
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore", category=StoreOnCPUWarning)  # the short step falls behind on purpose
-    warm_up_allocator()
+    _keep_freed_memory()
     make, inputs, ops = list(_launch_metrics().values())[index]
     generator = torch.Generator().manual_seed(4)
     batches = [inputs(generator) for _ in range(8)]

@@ -106,14 +106,3 @@ def _met(met: bool) -> str:
 def settle(metric: Metric) -> None:
     """Wait for the updates queued on an offloaded ``metric``, as every read of its states does."""
     metric.metric_state  # noqa: B018  (read for its wait: a worker process's states come back)
-
-
-def warm_up_allocator() -> None:
-    """Allocate and free 30 MiB: glibc raises its mmap threshold, as any earlier large allocation would.
-
-    Below it, freed memory is kept for the next allocation rather than handed back; without it, a Metric's
-    temporaries of a few MiB page-fault afresh at every call in the main thread (not in the worker's arena) until
-    something large has been freed, as it has been in a training process (its model, its first batches).
-    """
-    block = torch.empty(30 * 2**20, dtype=torch.uint8)
-    del block

@@ -98,8 +98,8 @@ def _serve(way: str, threads: int, conn: Any) -> None:
         with quiet() as warned:
             batches = _batches()
             metric: Metric | None = None if way == "none" else BinaryAUROC(thresholds=200)
-            if way in ("thread", "process"):
-                metric = offload_to_cpu(BinaryAUROC(thresholds=200), worker=cast(_Worker, way))
+            if metric is not None and way != "inline":
+                metric = offload_to_cpu(metric, worker=cast(_Worker, way))
             _steps(metric, batches)  # warm-up: a worker process starts
             while (request := conn.recv()) is not None:
                 if request == "steps":
