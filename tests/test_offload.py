@@ -576,6 +576,23 @@ def test_a_setting_changed_while_updates_are_queued_applies_after_them_as_in_the
     assert_same_values(metric.compute(), plain.compute())
 
 
+@pytest.mark.parametrize("worker", [None, "thread", "process"])
+def test_a_state_tensor_held_follows_later_updates_but_with_a_worker_process(worker):
+    """The plain Metric updates a state in place: the tensor given to ``load_state_dict``, or read, follows."""
+    metric = SumMetric() if worker is None else offload_to_cpu(SumMetric(), worker=worker)
+    metric.persistent(True)
+    loaded = torch.tensor(0.0)
+    metric.load_state_dict({"sum_value": loaded})
+    metric.update(torch.tensor(2.0))
+    read = metric.sum_value  # a read: it waits for the update
+    metric.update(torch.tensor(3.0))
+    assert metric.compute() == 5.0 and metric.sum_value == 5.0
+    if worker == "process":  # the updates ran on the worker process's copy: each read gives the states anew
+        assert (loaded.item(), read.item()) == (0.0, 2.0)
+    else:
+        assert (loaded.item(), read.item()) == (5.0, 5.0)
+
+
 def test_the_worker_process_runs_the_update_the_offloaded_metric_queues():
     import functools
 
