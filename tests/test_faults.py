@@ -380,6 +380,36 @@ def test_ctrl_c_to_the_process_group_leaves_the_worker_process_quiet_and_up(run,
     assert "KeyboardInterrupt" not in err
 
 
+def test_ctrl_c_while_the_worker_process_starts_leaves_it_quiet_and_up(tmp_path):
+    script = tmp_path / "interrupted_at_start.py"
+    script.write_text(
+        PRELUDE
+        + textwrap.dedent("""
+        if __name__ == "__main__":
+            metric = offload_to_cpu(SumMetric(), worker="process")
+            metric.update(torch.ones(2))  # returns at once: the worker process imports torch meanwhile, for seconds
+            print("started", flush=True)
+            try:
+                time.sleep(60)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+            print(metric.compute().item(), flush=True)
+        """)
+    )
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert process.stdout.readline() == "started\n"
+        os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C in a terminal
+        out, err = process.communicate(timeout=HANG_BOUND_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert out.splitlines() == ["interrupted", "2.0"], err
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
+
+
 def test_the_worker_process_ends_once_no_offloaded_object_is_left(run):
     out = _out(
         run("""

@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -464,9 +465,10 @@ def test_help_documents_json_and_the_exit_status(capsys):
 
 EXIT_STATUS_TABLE = [
     "exit status:",
-    "  0  every check that ran passed",
-    "  1  a check failed",
-    "  2  a usage error, or --json could not be written",
+    "    0  every check that ran passed",
+    "    1  a check failed",
+    "    2  a usage error, or --json could not be written",
+    "  130  interrupted (Ctrl-C)",
 ]
 
 
@@ -547,6 +549,52 @@ def test_a_json_path_in_a_missing_directory_ends_at_once_with_one_line_and_no_tr
         "python -m lightning_store: error: argument --json: cannot write the report to /nonexistent/dir/x.json:"
         " its directory /nonexistent/dir does not exist; create it first"
     )
+
+
+def _in_group(group: int) -> list[int]:
+    """The processes of process group ``group`` still there (zombies aside), from ``/proc``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            state, _, pgrp = (entry / "stat").read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):  # not a process, or one that just ended
+            continue
+        if int(pgrp) == group and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.faults  # processes' signals, which no Lightning release changes: not run again on each one
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the processes left from /proc")
+def test_ctrl_c_ends_the_cli_with_one_line_and_130_and_leaves_no_process(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lightning_store"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group of its own, which Ctrl-C in a terminal signals as a whole
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:  # the next check runs each way in a process of its own, and a worker process
+            if line.startswith("PASS  Metric offloaded to the CPU"):
+                break
+        time.sleep(1.0)  # they import torch: seconds
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=HANG_S)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 130, err[-3000:]
+    assert err.strip().splitlines() == ["python -m lightning_store: interrupted"], err[-3000:]
+    assert "offload beside a Python step" not in out  # interrupted while it ran
+    deadline = time.monotonic() + 30.0  # an offload worker process ends soon after its parent
+    while _in_group(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _in_group(process.pid) == []
 
 
 def test_a_json_file_that_cannot_be_written_after_the_checks_is_exit_2_with_one_line(monkeypatch, tmp_path, capsys):

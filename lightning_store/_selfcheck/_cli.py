@@ -25,9 +25,10 @@ given to store_states_on_cpu and offload_to_cpu are checked against the plain on
 PL_TRAINER_* defaults (the report lists them). Nothing is downloaded or left behind."""
 _EPILOG = """\
 exit status:
-  0  every check that ran passed
-  1  a check failed
-  2  a usage error, or --json could not be written"""
+    0  every check that ran passed
+    1  a check failed
+    2  a usage error, or --json could not be written
+  130  interrupted (Ctrl-C)"""
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -55,6 +56,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the self-check; return the exit status (0: every check that ran passed, 1: one failed, 2: usage).
 
+    Ctrl-C ends it with one line and 130, once every process it started has ended.
+
     The user's ``PL_TRAINER_*`` defaults are set aside during the fits (the environment block lists them as ignored):
     each check runs the fits it describes.
 
@@ -71,11 +74,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = {**environment(), "fits run on": accelerator}
     _print(out, f"lightning-store self-check\n\n{environment_block(env)}\n")
     results = []
-    with tempfile.TemporaryDirectory(prefix="lightning-store-selfcheck-") as root, own_defaults():
-        context = Context(accelerator, Path(root))
-        for check in list(_checks.CHECKS):
-            results.append(run_check(check, context))
-            _print(out, check_line(results[-1]))
+    try:
+        with tempfile.TemporaryDirectory(prefix="lightning-store-selfcheck-") as root, own_defaults():
+            context = Context(accelerator, Path(root))
+            for check in list(_checks.CHECKS):
+                results.append(run_check(check, context))
+                _print(out, check_line(results[-1]))
+    except KeyboardInterrupt:  # the checks' own processes ignore it, and have ended when it gets here
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
     seconds = time.perf_counter() - started
     wall = seconds_since_start()
     _print(out, f"\n{summary_line(results, seconds, wall)}")

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from lightning_store.metrics._offload.process.parent import _ctrl_c_blocked
+
 _ANSWER_S = 300.0  # the longest a way's process may take to answer: a request takes a second or two
 _END_S = 30.0  # the longest it may take to end once told (its worker process ends with it)
 
@@ -32,7 +34,8 @@ class Way:
         self.conn, theirs = multiprocessing.Pipe()
         context = multiprocessing.get_context("spawn")  # a fresh process, not a fork of this one
         self.process = context.Process(target=_run, args=(serve, way, torch.get_num_threads(), theirs))
-        self.process.start()  # not a daemon: the way's own worker process is a child of it
+        with _ctrl_c_blocked():  # never interrupted, not even while it imports torch
+            self.process.start()  # not a daemon: the way's own worker process is a child of it
         theirs.close()
         self.closed = False
 
@@ -72,7 +75,7 @@ class Way:
 
 
 def _run(serve: Callable[[str, int, Any], None], way: str, threads: int, conn: Any) -> None:
-    """``serve`` in the way's process, Ctrl-C ignored.
+    """``serve`` in the way's process, Ctrl-C ignored (it started with it blocked).
 
     Ctrl-C in a terminal interrupts the whole process group: the parent hears it, and tells this process to end
     (no second traceback).

@@ -4,6 +4,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import warnings
 import weakref
@@ -66,6 +67,25 @@ def _passive_openmp() -> Iterator[None]:
         yield
     finally:
         os.environ.pop("OMP_WAIT_POLICY", None)
+
+
+@contextlib.contextmanager
+def _ctrl_c_blocked() -> Iterator[None]:
+    """Ctrl-C (``SIGINT``) blocked in this thread while it starts a process, which inherits the block.
+
+    Ctrl-C in a terminal interrupts the whole process group. A process started as DataLoader workers are
+    (``spawn``) takes seconds to import torch, and interrupted then, it would print a traceback of its own before
+    it could ignore Ctrl-C; started with it blocked, it never gets it, and its parent, which hears Ctrl-C, stops it.
+    A Ctrl-C sent while this thread starts it reaches this process when the start is done, or through another thread.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process group gets Ctrl-C as a whole
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _filters() -> tuple[int, tuple]:
@@ -150,7 +170,7 @@ class _ProcessWorker:
         self.process = context.Process(
             target=_serve, args=(theirs, self.progress.name), name="lightning-store-offload", daemon=True
         )
-        with _passive_openmp():
+        with _passive_openmp(), _ctrl_c_blocked():
             self.process.start()
         theirs.close()
         _PROCESS.started()
