@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for check in list(_checks.CHECKS):
                 results.append(run_check(check, context))
                 _print(out, check_line(results[-1]))
-    except KeyboardInterrupt:  # the checks' own processes ignore it, and have ended when it gets here
+    except KeyboardInterrupt:  # the processes the checks start never get it; they end with the checks, or at exit
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
     seconds = time.perf_counter() - started

@@ -74,8 +74,8 @@ def _ctrl_c_blocked() -> Iterator[None]:
     """Ctrl-C (``SIGINT``) blocked in this thread while it starts a process, which inherits the block.
 
     Ctrl-C in a terminal interrupts the whole process group. A process started as DataLoader workers are
-    (``spawn``) takes seconds to import torch, and interrupted then, it would print a traceback of its own before
-    it could ignore Ctrl-C; started with it blocked, it never gets it, and its parent, which hears Ctrl-C, stops it.
+    (``spawn``) takes seconds to import torch, and interrupted then, it would end with a traceback of its own
+    before it could ignore Ctrl-C; started with it blocked, it never gets it: the process that started it does.
     A Ctrl-C sent while this thread starts it reaches this process when the start is done, or through another thread.
     """
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no process group gets Ctrl-C as a whole
