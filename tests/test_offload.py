@@ -581,12 +581,13 @@ def test_a_state_tensor_held_follows_later_updates_but_with_a_worker_process(wor
     """The plain Metric updates a state in place: the tensor given to ``load_state_dict``, or read, follows."""
     metric = SumMetric() if worker is None else offload_to_cpu(SumMetric(), worker=worker)
     metric.persistent(True)
+    (state,) = metric._defaults  # its one state: `sum_value` (`value` before torchmetrics 1.1)
     loaded = torch.tensor(0.0)
-    metric.load_state_dict({"sum_value": loaded})
+    metric.load_state_dict({state: loaded})
     metric.update(torch.tensor(2.0))
-    read = metric.sum_value  # a read: it waits for the update
+    read = getattr(metric, state)  # a read: it waits for the update
     metric.update(torch.tensor(3.0))
-    assert metric.compute() == 5.0 and metric.sum_value == 5.0
+    assert metric.compute() == 5.0 and getattr(metric, state) == 5.0
     if worker == "process":  # the updates ran on the worker process's copy: each read gives the states anew
         assert (loaded.item(), read.item()) == (0.0, 2.0)
     else:
