@@ -78,7 +78,7 @@ def _ctrl_c_blocked() -> Iterator[None]:
     before it could ignore Ctrl-C; started with it blocked, it never gets it: the process that started it does.
     A Ctrl-C sent while this thread starts it reaches this process when the start is done, or through another thread.
     """
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process group gets Ctrl-C as a whole
+    if not hasattr(signal, "pthread_sigmask"):  # no signal masks (Windows): it ignores Ctrl-C once its code runs
         yield
         return
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
