@@ -1,9 +1,12 @@
 """The shared arena for a worker process's inputs: a ring of spans, taken at the head and given back in order."""
 
+import os
+from multiprocessing import shared_memory
+
 import torch
 
 from lightning_store.metrics._offload.layout import ALIGNMENT
-from lightning_store.metrics._offload.process.arena import _Arena
+from lightning_store.metrics._offload.process.arena import _Arena, _Space
 
 
 def test_spans_are_taken_in_order_wrap_around_and_wait_when_full():
@@ -32,3 +35,19 @@ def test_a_tensor_written_at_an_offset_reads_back():
         assert arena.tensor(offset, torch.float32, 0).numel() == 0
     finally:
         arena.close(unlink=True)
+
+
+def test_a_new_arena_is_not_named_as_one_the_worker_process_holds_though_its_name_was_removed(monkeypatch):
+    space = _Space(forget=lambda arena: arena.close(unlink=True))
+    try:
+        first, _ = space.take(1024, wait=lambda: None)
+        space.sent(first)
+        space.opened(first.name)  # the worker process opened it: its name is removed, and may come again
+        assert first.unlinked and not os.path.exists(os.path.join("/dev/shm", first.name))
+        names = iter([f"/{first.name}", "/psm_lightning_store_test"])
+        monkeypatch.setattr(shared_memory, "_make_filename", lambda: next(names))
+        second, offset = space.take(first.size, wait=lambda: None)  # larger than half of it: a new arena
+        assert (second.name, offset) == ("psm_lightning_store_test", 0)
+        assert not second.unlinked  # not opened there yet: named until it is
+    finally:
+        space.close()

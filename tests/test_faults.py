@@ -452,6 +452,29 @@ def test_a_script_whose_code_runs_under_the_main_guard_starts_its_worker_process
     assert out.stdout.splitlines() == ["2.0"], out.stderr[-3000:]
 
 
+def test_a_guarded_script_edited_while_it_runs_starts_its_worker_process(tmp_path):
+    # lines added above the running `main()` call: read from the file now, it falls in `def main`'s lines
+    script = tmp_path / "edited.py"
+    text = PRELUDE + textwrap.dedent("""
+        def main():
+            metric = offload_to_cpu(SumMetric(), worker="process")
+            metric.update(torch.ones(2))
+            print(metric.compute().item())
+
+
+        if __name__ == "__main__":
+            with open(__file__) as file:
+                text = file.read()
+            with open(__file__, "w") as file:
+                file.write("# edited\\n" * 8 + text)
+            main()
+        """)
+    script.write_text(text)
+    out = _bounded([sys.executable, str(script)], cwd=tmp_path)
+    assert out.stdout.splitlines() == ["2.0"], out.stderr[-3000:]
+    assert script.read_text().startswith("# edited\n" * 8)  # it was edited before the worker process started
+
+
 def test_the_worker_process_ends_soon_after_its_parent_though_another_process_keeps_the_pipe_open(run):
     result = run("""
         import subprocess
@@ -473,6 +496,31 @@ def test_the_worker_process_ends_soon_after_its_parent_though_another_process_ke
         os.kill(int(holder), signal.SIGKILL)
     assert result.returncode == -signal.SIGKILL
     assert ended - float(killed) < 45  # it watches its parent every 5 s; before, it waited for the pipe's end (90 s)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory shows in /dev/shm on Linux")
+def test_a_process_group_killed_together_leaves_nothing_in_dev_shm(tmp_path):
+    # a closed terminal, or `kill -9` to the group, ends the resource tracker too, which would remove the names
+    script = tmp_path / "killed.py"
+    script.write_text(
+        PRELUDE
+        + textwrap.dedent("""
+        if __name__ == "__main__":
+            metric = offload_to_cpu(SumMetric(), worker="process")
+            metric.update(torch.ones(100_000))  # its inputs go through an arena
+            metric.compute()
+            worker = _process_worker()
+            print(worker.progress.name, worker.space.arena.name, flush=True)
+            os.killpg(0, signal.SIGKILL)
+        """)
+    )
+    result = _bounded([sys.executable, str(script)], cwd=tmp_path, start_new_session=True)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    names = result.stdout.split()
+    left = [name for name in names if os.path.exists(os.path.join("/dev/shm", name))]
+    for name in left:  # not left behind by this test, whatever it finds
+        os.unlink(os.path.join("/dev/shm", name))
+    assert len(names) == 2 and left == []
 
 
 def test_a_wait_for_a_worker_thread_that_ended_raises_rather_than_hangs(run):

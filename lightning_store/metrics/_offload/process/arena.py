@@ -22,7 +22,33 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT  # each tensor starts as torch's CPU allocator aligns it
 
 
-class _Arena:
+class _Segment:
+    """A shared-memory segment of the parent's, whose name it removes once the worker process has it open.
+
+    A segment lives until its name is removed and no process maps it. Once both processes have it open, its name is
+    of no more use: removed then, the memory goes with the processes, however they end. A process group killed
+    together (its terminal closed, ``kill -9`` to the group) takes down the resource tracker too, which would have
+    removed the names of a parent that did not: they would hold ``/dev/shm``'s memory until the machine restarts.
+    """
+
+    shm: shared_memory.SharedMemory
+    unlinked = False
+
+    def unlink(self) -> None:
+        """Remove the segment's name, once (the name may be another segment's since)."""
+        if not self.unlinked:
+            self.unlinked = True
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
+
+    def close(self, unlink: bool) -> None:
+        with contextlib.suppress(BufferError):  # a tensor still views it: the mapping goes with the process
+            self.shm.close()
+        if unlink:
+            self.unlink()
+
+
+class _Arena(_Segment):
     """A shared-memory segment the parent writes inputs into and the worker process reads them from.
 
     Space is taken at the head and given back at the tail, update by update, in the order the updates were sent,
@@ -89,12 +115,6 @@ class _Arena:
         if not count:
             return torch.empty(0, dtype=dtype)
         return torch.frombuffer(self.shm.buf, dtype=dtype, count=count, offset=offset)
-
-    def close(self, unlink: bool) -> None:
-        with contextlib.suppress(BufferError):  # a tensor still views it: the mapping goes with the process
-            self.shm.close()
-        if unlink:
-            self.shm.unlink()
 
 
 class _NoRoom(RuntimeError):
@@ -183,17 +203,31 @@ class _Space:
     def _new_arena(self, nbytes: int, needed: int) -> None:
         """A new arena of ``nbytes`` (at least 16 MiB), else of the ``needed`` bytes that /dev/shm has room for."""
         try:
-            arena, self.capped = _Arena(max(nbytes, _SMALLEST)), False
+            arena, self.capped = self._made(max(nbytes, _SMALLEST)), False
         except _NoRoom:
             if self.arena is not None and self.arena.size >= needed:  # the one there is will do
                 self.capped = True
                 return
-            arena, self.capped = _Arena(needed), True  # else it raises, naming /dev/shm, its size and the fix
+            arena, self.capped = self._made(needed), True  # else it raises, naming /dev/shm, its size and the fix
         old, self.arena = self.arena, arena
         if old is not None and old not in self.in_flight:
             self.forget(old)
         elif old is not None:
             old.retired = True
+
+    def _made(self, nbytes: int) -> _Arena:
+        """A new arena, named unlike those the worker process may hold: a name removed (``opened``) may come again."""
+        held = {arena.name for arena in (self.arena, *self.in_flight) if arena is not None}
+        while (arena := _Arena(nbytes)).name in held:
+            arena.close(unlink=True)
+        return arena
+
+    def opened(self, name: str) -> None:
+        """The worker process opened the arena of that name, which it uses for an update in flight: its name goes."""
+        for arena in self.in_flight:
+            if arena is not None and arena.name == name:
+                arena.unlink()
+                return
 
     def sent(self, arena: _Arena | None) -> None:
         """An update was queued, its inputs in ``arena`` (``None``: with the message)."""

@@ -29,6 +29,7 @@ from lightning_store.metrics._offload.process.messages import (
     _Fatal,
     _Filters,
     _Forget,
+    _Opened,
     _Pull,
     _Ran,
     _read,
@@ -50,10 +51,15 @@ _WATCH_S = 5.0  # how often, while no message comes, the worker process looks wh
 
 
 class _Arenas(dict):
-    """The parent's arenas, attached to at first sight, by name."""
+    """The parent's arenas, opened at first sight, by name; the parent is told, and removes the name (``_Segment``)."""
+
+    def __init__(self, answers: _Answers) -> None:
+        super().__init__()
+        self.answers = answers
 
     def __missing__(self, name: str) -> _Arena:
         arena = self[name] = _Arena(name=name)
+        self.answers.put(_Opened(name))
         return arena
 
 
@@ -100,13 +106,13 @@ class _ChildServer:
         self.defaults: dict[int, _Held] = {}  # each object's defaults, as sent: the parent sends them as references
         self.broken: dict[int, tuple] = {}  # an object that could not be made here: the error, for each update
         self.failed: set[int] = set()  # an object whose update failed: its next updates are not run, until resumed
-        self.arenas = _Arenas()
         self.state: Any = None  # the caller's torch state of the last update
         # a caller's state this thread is in (nothing to apply for it), while nothing else ran
         self.in_force: Any = None
         # the generators' states after the last row of updates, while nothing else ran: the next row's before it
         self.generators: _HostStates | None = None
         self.answers = _Answers(conn)
+        self.arenas = _Arenas(self.answers)
         self.readable = _Readable(conn)
         self.ran: list[tuple] = []  # the `_Done`s not sent yet, in order
         self.answer_every = 1  # how many updates run before an answer unasked (`queue._answered_run`)

@@ -96,7 +96,12 @@ def _check_main_runs_again() -> None:
 
 
 def _unguarded_statement(main: ModuleType, path: str) -> int | None:
-    """The first line of the top-level statement of ``main`` running now, unless ``__name__`` guards it."""
+    """The first line of the top-level statement of ``main`` running now, unless ``__name__`` guards it.
+
+    Judged on the file as it is now, only if it compiles to the code running: a script edited since it started
+    (its lines moved) is not judged. A process spawned then runs the new one, and one that runs its statement
+    again ends before it starts, which the worker's error says, with the guard in its HINT.
+    """
     frame: FrameType | None = sys._getframe(1)
     running = None
     while frame is not None:  # the outermost frame of the module's own code
@@ -108,8 +113,11 @@ def _unguarded_statement(main: ModuleType, path: str) -> int | None:
     try:
         with open(path, "rb") as file:
             tree = ast.parse(file.read())
+        now = compile(tree, path, "exec", dont_inherit=True)
     except (OSError, SyntaxError, ValueError):  # not Python source that can be read: not judged
         return None
+    if now.co_code != running.f_code.co_code or list(now.co_lines()) != list(running.f_code.co_lines()):
+        return None  # edited since it started: its lines are not those running
     line = running.f_lineno
     for statement in tree.body:
         if statement.lineno <= line <= (statement.end_lineno or statement.lineno):

@@ -17,7 +17,8 @@ To the worker process, in the order sent through the pipe:
 
 From the worker process, in the order it made them:
 
-- ``_Ready``: it started;
+- ``_Ready``: it started (and opened the parent's counter of its progress);
+- ``_Opened``: it opened an arena (``arena._Segment``: the parent then removes its name);
 - ``_Fatal``: the error that ends it;
 - ``_States``: a read's answer, the states or the error that kept them from being sent;
 - ``_Broken``: the copy of an object could not be made there (its class cannot be imported, say);
@@ -95,6 +96,10 @@ class _Ready(NamedTuple):
     pass
 
 
+class _Opened(NamedTuple):
+    name: str  # the arena's
+
+
 class _Fatal(NamedTuple):
     error: tuple  # as `child._error_info` makes it
 
@@ -128,7 +133,7 @@ class _Ran(NamedTuple):
 
 _KINDS: tuple[type, ...] = (
     *(_Replace, _Updates, _Call, _Pull, _Drop, _Forget, _Resume, _Filters, _Stop, _Ask),
-    *(_Ready, _Fatal, _States, _Broken, _Ran),
+    *(_Ready, _Fatal, _States, _Broken, _Ran, _Opened),
 )
 _NUMBER = {kind: number for number, kind in enumerate(_KINDS)}
 

@@ -354,6 +354,10 @@ class _ProcessWorker:
                     broken.on_broken(error)
             case _messages._Ready():
                 self.ready = True
+                if self.progress is not None:
+                    self.progress.unlink()  # the worker process has it open
+            case _messages._Opened(name):
+                self.space.opened(name)
             case _messages._Fatal(error):
                 self.fatal = error
 

@@ -1,14 +1,15 @@
 """How many updates the worker process has run: a counter in shared memory, written there and read here."""
 
-import contextlib
 import struct
 from multiprocessing import shared_memory
 from typing import cast
 
+from lightning_store.metrics._offload.process.arena import _Segment
+
 _COUNT = struct.Struct("q")  # an aligned 8-byte write, which the other process reads whole
 
 
-class _Progress:
+class _Progress(_Segment):
     """The number of updates the worker process has run (or passed over after a failed one), kept in shared memory.
 
     The parent tells from it whether the worker process has caught up, without a message: the worker process
@@ -33,10 +34,3 @@ class _Progress:
 
     def write(self, count: int) -> None:
         _COUNT.pack_into(self.buf, 0, count)
-
-    def close(self, unlink: bool) -> None:
-        with contextlib.suppress(BufferError):
-            self.shm.close()
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                self.shm.unlink()
