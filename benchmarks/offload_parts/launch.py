@@ -30,6 +30,7 @@ GOAL_SHORT = 0.75  # a step shorter than the update: the step with the Metric of
 
 LAUNCH_OPS, LAUNCH_STEPS = 1500, 150  # steps a measure: the worker's queue, waited for at the end, weighs little
 WARM_UP_STEPS = 20  # steps run, and waited for, before each measure: it starts from that way's own state
+READS = 5  # of the states back, each after its own updates: one may take a full pass of Python's garbage collector
 SHORT_OPS = LAUNCH_OPS // 8  # a step the binned AUROC's update takes longer than
 _WORDS = [f"w{i}" for i in range(200)]
 
@@ -144,10 +145,11 @@ def launch(report: Report, rounds: int, steps: int) -> None:
             serve = functools.partial(_serve_way, index)
             ways = {way: stack.enter_context(Way(way, serve)) for way in ("none", "inline", *WORKERS)}
             _launch_rounds(report, name, ops, ways, rounds, steps, rng)
+            reads = sorted(ways["process"].ask(("read", steps)) for _ in range(READS))
             report.notes.append(
                 f"launch-bound step, {name}: reading the states back from the worker process after {steps} updates"
-                f" (once an epoch in a fit; left out of the steps above) took"
-                f" {ways['process'].ask(('read', steps)):.1f} ms"
+                f" (once an epoch in a fit; left out of the steps above) took {statistics.median(reads):.1f} ms"
+                f" (median of {READS}, {reads[0]:.1f} to {reads[-1]:.1f})"
             )
     if "MeanAveragePrecision (faster_coco_eval), 8 images" not in _launch_metrics():
         report.notes.append("launch-bound step: MeanAveragePrecision left out: `pip install faster-coco-eval` adds it")
@@ -214,8 +216,9 @@ def _serve_way(index: int, way: str, threads: int, conn: Any) -> None:
                 conn.send(_launch_bound_steps(metric, batches, args[0], ops, warm_up=args[1]))
             elif kind == "value":
                 conn.send(_flat_value(metric))
-            else:  # "read": the states back from the worker process, after a measure's updates
+            else:  # "read": the states back from the worker process, after a measure's updates, from empty
                 assert metric is not None
+                metric.reset()
                 _launch_bound_steps(metric, batches, args[0], ops)
                 start = time.perf_counter()
                 settle(metric)
