@@ -433,7 +433,17 @@ def test_a_script_without_the_main_guard_is_told_so_before_anything_runs_again(t
     assert f"RuntimeError: {lines[0].replace(f'line {line} ', f'line {last} ')}" in out.stderr
 
 
-def test_a_script_whose_code_runs_under_the_main_guard_starts_its_worker_process(tmp_path):
+# the edit adds lines above the running `main()` call: looked up in the file as it is then, its line falls in `main`
+EDITED_WHILE_IT_RUNS = """\
+    with open(__file__) as file:
+        text = file.read()
+    with open(__file__, "w") as file:
+        file.write("# edited\\n" * 8 + text)
+"""
+
+
+@pytest.mark.parametrize("edit", ["", EDITED_WHILE_IT_RUNS], ids=["as written", "edited while it runs"])
+def test_a_script_whose_code_runs_under_the_main_guard_starts_its_worker_process(tmp_path, edit):
     script = tmp_path / "guarded.py"
     script.write_text(
         PRELUDE
@@ -445,34 +455,14 @@ def test_a_script_whose_code_runs_under_the_main_guard_starts_its_worker_process
 
 
         if __name__ == "__main__":
-            main()
         """)
+        + textwrap.indent(textwrap.dedent(edit), "    ")
+        + "    main()\n"
     )
     out = _bounded([sys.executable, str(script)], cwd=tmp_path)
     assert out.stdout.splitlines() == ["2.0"], out.stderr[-3000:]
-
-
-def test_a_guarded_script_edited_while_it_runs_starts_its_worker_process(tmp_path):
-    # lines added above the running `main()` call: read from the file now, it falls in `def main`'s lines
-    script = tmp_path / "edited.py"
-    text = PRELUDE + textwrap.dedent("""
-        def main():
-            metric = offload_to_cpu(SumMetric(), worker="process")
-            metric.update(torch.ones(2))
-            print(metric.compute().item())
-
-
-        if __name__ == "__main__":
-            with open(__file__) as file:
-                text = file.read()
-            with open(__file__, "w") as file:
-                file.write("# edited\\n" * 8 + text)
-            main()
-        """)
-    script.write_text(text)
-    out = _bounded([sys.executable, str(script)], cwd=tmp_path)
-    assert out.stdout.splitlines() == ["2.0"], out.stderr[-3000:]
-    assert script.read_text().startswith("# edited\n" * 8)  # it was edited before the worker process started
+    if edit:  # it was edited before the worker process started
+        assert script.read_text().startswith("# edited\n" * 8)
 
 
 def test_the_worker_process_ends_soon_after_its_parent_though_another_process_keeps_the_pipe_open(run):
