@@ -13,7 +13,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import offload_to_cpu
 from lightning_store.metrics._reads import _queue_of  # the queue's counters: no public API says how often it waited
-from offload_parts.report import WORKERS, Report, Row, settle, shuffled
+from offload_parts.report import WORKERS, Report, Row, shuffled
 
 GOAL_UPDATE, GOAL_LOOP, GOAL_LOOP_WORST = 0.05, 0.75, 0.85  # the loop: its median, and every round
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
@@ -59,22 +59,23 @@ def heavy(report: Report, rounds: int, calls: int, sizes: tuple[int, ...]) -> No
             generator = torch.Generator().manual_seed(n)
             batches = [inputs(n, generator) for _ in range(calls)]
             what = f"{name}, {n:,} preds"
-            room = Row("1", f"{what}: caller's `update`, queue with room", "ms", 1e3, GOAL_UPDATE)
-            full = Row("1", f"{what}: caller's `update`, queue full (backpressure)", "ms", 1e3)
-            worker = Row("1", f"{what}: worker's time per update (throughput)", "ms", 1e3)
-            metrics = {
-                "plain": make(),
-                "room": offload_to_cpu(make(), max_pending=calls, worker="thread"),
-                "full": offload_to_cpu(make(), max_pending=1, worker="thread"),
-            }
+            rows: dict[str, Row] = {}
+            metrics = {"plain": make()}
+            for worker in WORKERS:
+                on = f"{what}, worker {worker}"
+                rows[f"{worker} room"] = Row("1", f"{on}: caller's `update`, queue with room", "ms", 1e3, GOAL_UPDATE)
+                rows[f"{worker} full"] = Row("1", f"{on}: caller's `update`, queue full (backpressure)", "ms", 1e3)
+                rows[f"{worker} worker"] = Row("1", f"{on}: worker's time per update (throughput)", "ms", 1e3)
+                metrics[f"{worker} room"] = offload_to_cpu(make(), max_pending=calls, worker=worker)
+                metrics[f"{worker} full"] = offload_to_cpu(make(), max_pending=1, worker=worker)
             first: dict[str, float] = {}
             for way, metric in metrics.items():  # the same first batch for all; an offloaded one starts the worker
                 start = time.perf_counter()
                 metric.update(*batches[0])
                 first[way] = time.perf_counter() - start
                 if way != "plain":
-                    settle(metric)
-            faults = 0
+                    _queue_of(metric)._wait()
+            faults = dict.fromkeys(WORKERS, 0)
             for _ in range(rounds):
                 per_way: dict[str, float] = {}
                 for way in shuffled(list(metrics), rng):
@@ -83,24 +84,30 @@ def heavy(report: Report, rounds: int, calls: int, sizes: tuple[int, ...]) -> No
                     if way == "plain":
                         per_way[way] = statistics.median(times)
                         continue
-                    settle(metrics[way])
-                    if way == "room":
-                        per_way["worker"] = (time.perf_counter() - start) / calls
-                        faults += way_faults
-                    per_way[way] = statistics.median(times if way == "room" else times[1:])
-                for row, way in ((room, "room"), (full, "full"), (worker, "worker")):
+                    _queue_of(metrics[way])._wait()  # its updates run; their states stay there, as between reads
+                    worker, queue = way.split()
+                    if queue == "room":
+                        per_way[f"{worker} worker"] = (time.perf_counter() - start) / calls
+                        faults[worker] += way_faults
+                    per_way[way] = statistics.median(times if queue == "room" else times[1:])
+                for way, row in rows.items():
                     row.base.append(per_way["plain"])
                     row.offloaded.append(per_way[way])
-            report.rows += [room, full, worker]
+            report.rows += rows.values()
             expected = metrics["plain"].compute()
-            for way in ("room", "full"):
-                report.check(f"{what}, queue {way}", metrics[way].compute(), expected)
-            waits = _queue_of(metrics["full"]).waits
-            report.notes.append(
-                f"{what}: the first offloaded `update` (the worker starting) took {first['room'] * 1e3:.1f} ms"
-                f" ({first['room'] / statistics.median(room.base):.2f}x a plain update); with room, the caller's"
-                f" minor page faults per update: {faults / (rounds * calls):.0f}; queue full: {waits} waits"
-            )
+            for way, metric in metrics.items():
+                if way != "plain":
+                    report.check(f"{what}, {way}", metric.compute(), expected)
+            for worker in WORKERS:
+                started = first[f"{worker} room"]
+                plain = statistics.median(rows[f"{worker} room"].base)
+                waits = _queue_of(metrics[f"{worker} full"]).waits
+                report.notes.append(
+                    f"{what}, worker {worker}: the first offloaded `update` (the worker starting) took"
+                    f" {started * 1e3:.1f} ms ({started / plain:.2f}x"
+                    f" a plain update); with room, the caller's minor page faults per update:"
+                    f" {faults[worker] / (rounds * calls):.0f}; queue full: {waits} waits"
+                )
 
 
 # 2. CPU, a training loop: the model on one thread, the update beside it
