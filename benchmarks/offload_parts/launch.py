@@ -18,8 +18,8 @@ from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 from lightning_store import StoreOnCPUWarning, offload_to_cpu
 from lightning_store._selfcheck._way import Way  # each way in a fresh process, as the self-check runs them
 from lightning_store.metrics._offload.process.child import _keep_freed_memory  # as a training process has
-from lightning_store.metrics._reads import _is_offloaded, _queue_of  # waiting for the updates, not the states back
-from offload_parts.report import WORKERS, Report, Row, settle, shuffled
+from lightning_store.metrics._reads import _is_offloaded
+from offload_parts.report import WORKERS, Report, Row, settle, shuffled, wait_for_updates
 from offload_parts.saves import binary, multiclass
 
 GOAL_LAUNCH = 1.10  # the step with the Metric offloaded, against the step without it
@@ -127,7 +127,7 @@ def _launch_bound_steps(
             metric.update(*batches[step % len(batches)])
             in_update += time.perf_counter() - called
     if metric is not None and _is_offloaded(metric):
-        _queue_of(metric)._wait()  # the updates the worker still has are the steps' work; reading the states is not
+        wait_for_updates(metric)  # the updates the worker still has are the steps' work; reading the states is not
     return (time.perf_counter() - start) / steps, in_update / steps
 
 

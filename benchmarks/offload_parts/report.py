@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_store.metrics._reads import _queue_of  # waiting for the updates alone: no public API does
+
 WORKERS = ("thread", "process")
 
 
@@ -106,3 +108,12 @@ def _met(met: bool) -> str:
 def settle(metric: Metric) -> None:
     """Wait for the updates queued on an offloaded ``metric``, as every read of its states does."""
     metric.metric_state  # noqa: B018  (read for its wait: a worker process's states come back)
+
+
+def wait_for_updates(metric: Metric) -> None:
+    """Wait until the updates queued on an offloaded ``metric`` have run, without reading its states back.
+
+    A worker process keeps its copy's states, as between a fit's reads (one an epoch): the next update is not
+    preceded by the Metric sent again, as it is after :func:`settle`.
+    """
+    _queue_of(metric)._wait()

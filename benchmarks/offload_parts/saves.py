@@ -13,7 +13,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassConfusionMatrix
 
 from lightning_store import offload_to_cpu
 from lightning_store.metrics._reads import _queue_of  # the queue's counters: no public API says how often it waited
-from offload_parts.report import WORKERS, Report, Row, shuffled
+from offload_parts.report import WORKERS, Report, Row, shuffled, wait_for_updates
 
 GOAL_UPDATE, GOAL_LOOP, GOAL_LOOP_WORST = 0.05, 0.75, 0.85  # the loop: its median, and every round
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
@@ -74,7 +74,7 @@ def heavy(report: Report, rounds: int, calls: int, sizes: tuple[int, ...]) -> No
                 metric.update(*batches[0])
                 first[way] = time.perf_counter() - start
                 if way != "plain":
-                    _queue_of(metric)._wait()
+                    wait_for_updates(metric)
             faults = dict.fromkeys(WORKERS, 0)
             for _ in range(rounds):
                 per_way: dict[str, float] = {}
@@ -84,7 +84,7 @@ def heavy(report: Report, rounds: int, calls: int, sizes: tuple[int, ...]) -> No
                     if way == "plain":
                         per_way[way] = statistics.median(times)
                         continue
-                    _queue_of(metrics[way])._wait()  # its updates run; their states stay there, as between reads
+                    wait_for_updates(metrics[way])
                     worker, queue = way.split()
                     if queue == "room":
                         per_way[f"{worker} worker"] = (time.perf_counter() - start) / calls
