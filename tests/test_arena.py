@@ -1,11 +1,14 @@
 """The shared arena for a worker process's inputs: a ring of spans, taken at the head and given back in order."""
 
+import errno
 import os
 from multiprocessing import shared_memory
 
+import pytest
 import torch
 
 from lightning_store.metrics._offload.layout import ALIGNMENT
+from lightning_store.metrics._offload.process import arena as arena_module
 from lightning_store.metrics._offload.process.arena import _Arena, _Space
 
 
@@ -51,3 +54,27 @@ def test_a_new_arena_is_not_named_as_one_the_worker_process_holds_though_its_nam
         assert not second.unlinked  # not opened there yet: named until it is
     finally:
         space.close()
+
+
+def test_an_arena_whose_room_cannot_be_reserved_for_want_of_a_file_descriptor_leaves_nothing_in_dev_shm(monkeypatch):
+    made: list[str] = []
+    created = shared_memory.SharedMemory
+
+    def recorded(*args, **kwargs):
+        segment = created(*args, **kwargs)
+        made.append(segment.name)
+        return segment
+
+    real_open = os.open
+
+    def no_descriptor_left(path, flags, *args, **kwargs):  # for the segment's file alone: os.open is everyone's
+        if str(path).startswith("/dev/shm/"):
+            raise OSError(errno.EMFILE, "Too many open files", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(arena_module.shared_memory, "SharedMemory", recorded)
+    monkeypatch.setattr(arena_module.os, "open", no_descriptor_left)
+    with pytest.raises(OSError, match="Too many open files"):
+        _Arena(4096)
+    assert len(made) == 1
+    assert not os.path.exists(os.path.join("/dev/shm", made[0].lstrip("/")))

@@ -1,6 +1,8 @@
 """Faults a long training job meets, with either worker: no hang, no crash, and errors that name the real cause."""
 
+import ast
 import contextlib
+import errno
 import os
 import pickle
 import signal
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.faults
 HANG_BOUND_S = 120.0  # a run that hangs fails the test after this, rather than hanging the suite
 
 PRELUDE = """
-import gc, os, pickle, signal, sys, threading, time
+import contextlib, gc, os, pickle, signal, sys, threading, time
 import torch
 from torchmetrics import CatMetric, SumMetric
 from lightning_store import offload_to_cpu
@@ -185,6 +187,97 @@ def test_too_little_room_in_dev_shm_is_said_before_a_write_there_and_the_metric_
     assert "or pass worker='thread' to offload_to_cpu" in out[0]
     assert out[1] == "[1.0, 1.0] 0"
     assert out[2] == f"{2.0 + 3 * 2**20:.1f} {4 * 2**20}"
+
+
+@pytest.mark.parametrize(
+    ("error", "hint"),
+    [
+        (
+            "OSError(errno.EMFILE, 'Too many open files')",
+            "this process has as many files open as it may: close some, or raise the limit (`ulimit -n`)",
+        ),
+        (
+            "OSError(errno.EAGAIN, 'Resource temporarily unavailable')",
+            "the system is short of memory or of processes: free memory, or end processes",
+        ),
+    ],
+)
+def test_a_worker_process_that_cannot_start_is_said_at_the_call_and_the_next_call_starts_one(run, error, hint):
+    """A start that fails holds nothing: before, the pipe kept both ends here, and a large copy sent hung."""
+    out = _out(
+        run(f"""
+        import errno, multiprocessing
+        from multiprocessing import resource_tracker
+        from torchmetrics.classification import MulticlassConfusionMatrix
+        plain = MulticlassConfusionMatrix(300)
+        offloaded = offload_to_cpu(MulticlassConfusionMatrix(300), worker="process")
+        resource_tracker.ensure_running()  # started once, at the first shared memory: its pipe is no leak
+        fds = len(os.listdir("/proc/self/fd"))
+        spawned = multiprocessing.get_context("spawn").Process
+        start, error = spawned.start, {error}
+        def fails(process):
+            raise error
+        spawned.start = fails
+        batch = torch.arange(2000) % 300, torch.arange(2000) % 7
+        for _ in range(2):  # its copy (over 700 kB) is sent at each: it would fill the pipe
+            try:
+                offloaded.update(*batch)
+            except RuntimeError as raised:
+                print(raised, raised.__cause__ is error)
+            print(len(os.listdir("/proc/self/fd")) - fds, _process_worker().conn)  # its pipe and shared memory closed
+        spawned.start = start
+        for m in (offloaded, plain):
+            m.update(*batch)
+        print(torch.equal(offloaded.compute(), plain.compute()), _process_worker().process.is_alive())
+        """)
+    )
+    raised = eval(error)  # an OSError of errno EAGAIN is a BlockingIOError
+    said = (
+        f"lightning-store's offload worker process could not start ({type(raised).__name__}: {raised}). Nothing of"
+        " this call was done: the Metric is as it was before it, and its next call starts the worker process again."
+        f" HINT: {hint}; or pass worker='thread' to offload_to_cpu, which starts no process. True"
+    )
+    assert out == [said, "0 None", said, "0 None", "True True"]
+
+
+def test_a_process_out_of_file_descriptors_is_told_so_and_never_hangs(run):
+    """With from none to a score of descriptors left, each update runs or raises (none waits), and none is lost."""
+    out = _out(
+        run("""
+        import resource
+        from torchmetrics.classification import MulticlassConfusionMatrix
+        offloaded = offload_to_cpu(MulticlassConfusionMatrix(300), worker="process")
+        plain = MulticlassConfusionMatrix(300)
+        batch = torch.arange(2000) % 300, torch.arange(2000) % 7
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        said = set()
+        for left in range(24):
+            held = []
+            with contextlib.suppress(OSError):
+                while True:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+            for fd in held[len(held) - left:]:
+                os.close(fd)
+            try:
+                offloaded.update(*batch)
+                said.add("ran")
+            except RuntimeError as error:
+                said.add(str(error).split(" HINT")[0].split("(")[0])
+            except OSError as error:
+                said.add(f"OSError {error.errno}")
+            else:
+                plain.update(*batch)
+            for fd in held[: len(held) - left]:
+                os.close(fd)
+        print(sorted(said))
+        print(torch.equal(offloaded.compute(), plain.compute()), int(plain.compute().sum()))
+        """)
+    )
+    said = set(ast.literal_eval(out[0]))
+    cannot_start = "lightning-store's offload worker process could not start "
+    assert {cannot_start, "ran"} <= said <= {cannot_start, "ran", f"OSError {errno.EMFILE}"}
+    equal, total = out[1].split()
+    assert equal == "True" and int(total) > 0
 
 
 def test_a_worker_process_killed_after_a_read_is_replaced_and_given_the_state_held_here():

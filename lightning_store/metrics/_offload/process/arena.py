@@ -145,18 +145,27 @@ def _reserve(shm: shared_memory.SharedMemory, room: tuple[int, int] | None) -> N
     path = os.path.join(_SHM, shm.name.lstrip("/"))
     if room is None or not hasattr(os, "posix_fallocate") or not os.path.exists(path):
         return
-    fd = os.open(path, os.O_RDWR)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:  # no file descriptor left, say: the segment goes, not to hold its room until the process ends
+        _discard(shm)
+        raise
     try:
         os.posix_fallocate(fd, 0, shm.size)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.ENOMEM):
             return  # a file system that cannot reserve: written as it comes
-        with contextlib.suppress(BufferError):
-            shm.close()
-        shm.unlink()
+        _discard(shm)
         raise _NoRoom(shm.size, _room()) from error
     finally:
         os.close(fd)
+
+
+def _discard(shm: shared_memory.SharedMemory) -> None:
+    """Close a segment just made, and remove its name."""
+    with contextlib.suppress(BufferError):
+        shm.close()
+    shm.unlink()
 
 
 def _mib(nbytes: int) -> str:

@@ -1,6 +1,7 @@
 """Why the worker process ended, or could not take an object: the real cause, and what to do, in words."""
 
 import ast
+import errno
 import os
 import signal
 import sys
@@ -38,6 +39,25 @@ def _why_ended(code: int | None, ready: bool, fatal: tuple | None) -> tuple[str,
     if code is not None and -code == signal.SIGKILL:
         return reason, f"give the job more memory, or offload fewer or smaller Metrics; then {_RESET}"
     return reason, _RESET
+
+
+_THREAD = "or pass worker='thread' to offload_to_cpu, which starts no process"
+_SHORT_OF = {
+    errno.EMFILE: "this process has as many files open as it may: close some, or raise the limit (`ulimit -n`)",
+    errno.ENFILE: "the system has as many files open as it may: end what holds them",
+    errno.ENOMEM: "the system is short of memory: free some",
+    errno.EAGAIN: "the system is short of memory or of processes: free memory, or end processes",
+}
+
+
+def _cannot_start(error: OSError) -> RuntimeError:
+    """The error of a worker process that could not start (``error``: why), raised at the call that started it."""
+    hint = _SHORT_OF.get(error.errno or 0, "look into the error above")
+    return RuntimeError(
+        f"lightning-store's offload worker process could not start ({type(error).__name__}: {error}). Nothing of"
+        " this call was done: the Metric is as it was before it, and its next call starts the worker process again."
+        f" HINT: {hint}; {_THREAD}."
+    )
 
 
 def _why_not_made(error: tuple) -> tuple[str, str]:

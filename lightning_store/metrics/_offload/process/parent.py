@@ -16,7 +16,7 @@ from lightning_store.metrics._offload.caller_state import _CallerState
 from lightning_store.metrics._offload.process import messages as _messages
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _Arena, _Space
-from lightning_store.metrics._offload.process.ended import _check_main_runs_again, _why_ended
+from lightning_store.metrics._offload.process.ended import _cannot_start, _check_main_runs_again, _why_ended
 from lightning_store.metrics._offload.process.inputs import _Outgoing
 from lightning_store.metrics._offload.process.progress import _Progress
 from lightning_store.metrics._offload.workers import _PerProcess
@@ -160,19 +160,37 @@ class _ProcessWorker:
         _end(conn, process, close=True)
 
     def start(self) -> None:
-        from lightning_store.metrics._offload.process.child import _serve
+        """Start the worker process, or raise why it could not start (``_cannot_start``), holding nothing of it.
 
+        A start half done would keep the pipe with both of its ends here: a message sent to it would wait forever.
+        """
         _check_main_runs_again()
         context = multiprocessing.get_context("spawn")
-        self.conn, theirs = context.Pipe()
-        self.readable = _messages._Readable(self.conn)
-        self.progress, self.sent_updates = _Progress(), 0
-        self.process = context.Process(
-            target=_serve, args=(theirs, self.progress.name), name="lightning-store-offload", daemon=True
-        )
-        with _passive_openmp(), _ctrl_c_blocked():
-            self.process.start()
-        theirs.close()
+        try:
+            from lightning_store.metrics._offload.process.child import _serve  # its source is read: a file opened
+
+            conn, theirs = context.Pipe()
+        except OSError as error:
+            raise _cannot_start(error) from error
+        progress: _Progress | None = None
+        try:
+            progress = _Progress()
+            process = context.Process(
+                target=_serve, args=(theirs, progress.name), name="lightning-store-offload", daemon=True
+            )
+            with _passive_openmp(), _ctrl_c_blocked():
+                process.start()
+        except BaseException as error:
+            conn.close()
+            if progress is not None:
+                progress.close(unlink=True)
+            if isinstance(error, OSError):
+                raise _cannot_start(error) from error
+            raise
+        finally:
+            theirs.close()
+        self.conn, self.readable, self.progress, self.process = conn, _messages._Readable(conn), progress, process
+        self.sent_updates = 0
         _PROCESS.started()
 
     def send(self, message: Any, start: bool = False) -> None:
