@@ -48,6 +48,14 @@ class RaisesOnNegative(SumMetric):
         if value.sum() < 0:
             raise eval(self.exception)
         super().update(value)
+
+
+class Slow(SumMetric):
+    def update(self, value):
+        import time
+
+        time.sleep(0.5)
+        super().update(value)
 """
 
 
@@ -238,6 +246,40 @@ def test_a_worker_process_that_cannot_start_is_said_at_the_call_and_the_next_cal
         f" HINT: {hint}; or pass worker='thread' to offload_to_cpu, which starts no process. True"
     )
     assert out == [said, "0 None", said, "0 None", "True True"]
+
+
+def test_an_update_that_waited_for_room_as_its_worker_process_ended_is_not_sent_if_no_new_one_starts(run):
+    """Its call raises that no worker process could start: the update must not run when one does, later."""
+    out = _out(
+        run("""
+        import errno, multiprocessing
+        from faulty import Slow
+        slow, plain = offload_to_cpu(Slow(), worker="process"), SumMetric()
+        offloaded = offload_to_cpu(SumMetric(), worker="process")
+        for m in (offloaded, plain):
+            m.update(torch.ones(1))
+        print(offloaded.compute().item())  # read back: nothing of it is left to lose
+        big = torch.ones(2**20)  # 4 MiB: 4 of them in flight fill the inputs' shared memory (16 MiB)
+        for _ in range(4):
+            slow.update(big)
+        worker = _process_worker()
+        threading.Timer(0.3, worker.process.kill).start()  # while the next update waits for room
+        spawned = multiprocessing.get_context("spawn").Process
+        start = spawned.start
+        def fails(process):
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        spawned.start = fails
+        try:
+            offloaded.update(big)
+        except RuntimeError as error:
+            print(str(error).split(" (")[0])
+        spawned.start = start
+        for m in (offloaded, plain):
+            m.update(torch.full((1,), 2.0))
+        print(offloaded.compute().item(), plain.compute().item())
+        """)
+    )
+    assert out == ["1.0", "lightning-store's offload worker process could not start", "3.0 3.0"]
 
 
 def test_a_process_out_of_file_descriptors_is_told_so_and_never_hangs(run):

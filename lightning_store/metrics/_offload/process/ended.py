@@ -52,7 +52,7 @@ _SHORT_OF = {
 
 def _cannot_start(error: OSError) -> RuntimeError:
     """The error of a worker process that could not start (``error``: why), raised at the call that started it."""
-    hint = _SHORT_OF.get(error.errno or 0, "look into the error above")
+    hint = _SHORT_OF.get(error.errno or 0, "fix what the error names")
     return RuntimeError(
         f"lightning-store's offload worker process could not start ({type(error).__name__}: {error}). Nothing of"
         " this call was done: the Metric is as it was before it, and its next call starts the worker process again."

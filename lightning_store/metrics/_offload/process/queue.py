@@ -105,7 +105,11 @@ class _ProcessQueue(_Queue):
                 if self.lost is not None:
                     worker.unqueue_last()
                     self.report()
-                self._send_root()  # nothing of it was lost: the new worker process gets it before the update
+                try:
+                    self._send_root()  # nothing of it was lost: the new worker process gets it before the update
+                except BaseException:  # a new one could not start: the call raises, and its update is not sent
+                    worker.unqueue_last()
+                    raise
             self.pending += 1
             self.queued += 1
             self.ahead_there = True
