@@ -248,6 +248,37 @@ def test_a_worker_process_that_cannot_start_is_said_at_the_call_and_the_next_cal
     assert out == [said, "0 None", said, "0 None", "True True"]
 
 
+def test_a_worker_thread_that_cannot_start_is_said_at_the_call_and_the_next_call_starts_one(run):
+    """Before, the thread not started was kept, taken at the next read for one that ended: said a bug, for ever."""
+    out = _out(
+        run("""
+        offloaded, plain = offload_to_cpu(SumMetric(), worker="thread"), SumMetric()
+        start = threading.Thread.start
+        def fails(thread):
+            if thread.name != "lightning-store-offload":
+                return start(thread)
+            raise RuntimeError("can't start new thread")  # what Python raises, out of memory or of threads
+        threading.Thread.start = fails
+        for _ in range(2):
+            try:
+                offloaded.update(torch.ones(3))
+            except RuntimeError as error:
+                print(error)
+        threading.Thread.start = start
+        for m in (offloaded, plain):
+            m.update(torch.full((2,), 2.0))
+        print(offloaded.compute().item(), plain.compute().item())
+        """)
+    )
+    said = (
+        "lightning-store's offload worker thread could not start (can't start new thread). Nothing of this call was"
+        " done: the Metric is as it was before it, and its next call starts the worker thread again. HINT: the system"
+        " is short of memory or of threads: free memory, or end threads or processes; or keep the Metric as it is"
+        " (not offloaded)."
+    )
+    assert out == [said, said, "4.0 4.0"]
+
+
 def test_an_update_that_waited_for_room_as_its_worker_process_ended_is_not_sent_if_no_new_one_starts(run):
     """Its call raises that no worker process could start: the update must not run when one does, later."""
     out = _out(

@@ -69,10 +69,11 @@ class _ThreadQueue(_Queue):
         state = _CallerState()
         with worker.lock:
             waited = _wait_for_room(self, worker.wait)
+            # counted once queued (it may raise: the thread could not start); the lock held, none of it has run yet
+            worker.submit(_Job(self, self.queued + 1 if obj is not None else None, run, state, obj))
             self.pending += 1
             if obj is not None:
                 self.queued += 1
-            worker.submit(_Job(self, self.queued if obj is not None else None, run, state, obj))
         if obj is not None and called is not None:
             self._count_call(called, waited)
 

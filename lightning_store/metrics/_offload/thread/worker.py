@@ -63,8 +63,17 @@ class _WorkerThread:
         if self.thread is None:
             _THREAD.started()
             _install()  # a warning an update gives in the thread is kept for its caller
-            self.thread = threading.Thread(target=self._loop, name="lightning-store-offload", daemon=True)
-            self.thread.start()
+            thread = threading.Thread(target=self._loop, name="lightning-store-offload", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as error:  # "can't start new thread": kept, it would be taken for one that ended
+                raise RuntimeError(
+                    f"lightning-store's offload worker thread could not start ({error}). Nothing of this call was"
+                    " done: the Metric is as it was before it, and its next call starts the worker thread again."
+                    " HINT: the system is short of memory or of threads: free memory, or end threads or processes;"
+                    " or keep the Metric as it is (not offloaded)."
+                ) from error
+            self.thread = thread
         self.jobs.append(job)
         self.changed.notify_all()
 
