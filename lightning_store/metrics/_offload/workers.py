@@ -64,6 +64,18 @@ _W = TypeVar("_W")
 # the caller (`_Inline`). Once no offloaded object is left, the worker process ends 10 s later (`_IDLE_S`): a new
 # one starts if need be.
 
+
+def _cannot_start(worker: str, cause: str, hint: str) -> RuntimeError:
+    """The error raised at the call whose worker (``"thread"``, ``"process"``) could not start, for ``cause``.
+
+    The worker kept nothing of the start: the call did nothing, and the next one starts a worker again.
+    """
+    return RuntimeError(
+        f"lightning-store's offload worker {worker} could not start ({cause}). Nothing of this call was done: the"
+        f" Metric is as it was before it, and its next call starts the worker {worker} again. HINT: {hint}."
+    )
+
+
 _local = threading.local()  # `inline`: this thread runs a Metric's own methods directly (the worker, a `forward`)
 
 

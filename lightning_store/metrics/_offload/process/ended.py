@@ -8,6 +8,8 @@ import sys
 from types import FrameType, ModuleType
 from typing import Any
 
+from lightning_store.metrics._offload.workers import _cannot_start
+
 _RESET = "`reset()` the Metric to go on from an empty state."
 _GUARD = (
     "a script that offloads a Metric guards its code with `if __name__ == '__main__':`, and defines the Metric's"
@@ -41,7 +43,6 @@ def _why_ended(code: int | None, ready: bool, fatal: tuple | None) -> tuple[str,
     return reason, _RESET
 
 
-_THREAD = "or pass worker='thread' to offload_to_cpu, which starts no process"
 _SHORT_OF = {
     errno.EMFILE: "this process has as many files open as it may: close some, or raise the limit (`ulimit -n`)",
     errno.ENFILE: "the system has as many files open as it may: end what holds them",
@@ -50,13 +51,13 @@ _SHORT_OF = {
 }
 
 
-def _cannot_start(error: OSError) -> RuntimeError:
+def _process_cannot_start(error: OSError) -> RuntimeError:
     """The error of a worker process that could not start (``error``: why), raised at the call that started it."""
     hint = _SHORT_OF.get(error.errno or 0, "fix what the error names")
-    return RuntimeError(
-        f"lightning-store's offload worker process could not start ({type(error).__name__}: {error}). Nothing of"
-        " this call was done: the Metric is as it was before it, and its next call starts the worker process again."
-        f" HINT: {hint}; {_THREAD}."
+    return _cannot_start(
+        "process",
+        f"{type(error).__name__}: {error}",
+        f"{hint}; or pass worker='thread' to offload_to_cpu, which starts no process",
     )
 
 

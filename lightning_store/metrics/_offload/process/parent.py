@@ -16,7 +16,7 @@ from lightning_store.metrics._offload.caller_state import _CallerState
 from lightning_store.metrics._offload.process import messages as _messages
 from lightning_store.metrics._offload.process import pickling as _pickling
 from lightning_store.metrics._offload.process.arena import _Arena, _Space
-from lightning_store.metrics._offload.process.ended import _cannot_start, _check_main_runs_again, _why_ended
+from lightning_store.metrics._offload.process.ended import _check_main_runs_again, _process_cannot_start, _why_ended
 from lightning_store.metrics._offload.process.inputs import _Outgoing
 from lightning_store.metrics._offload.process.progress import _Progress
 from lightning_store.metrics._offload.workers import _PerProcess
@@ -160,7 +160,7 @@ class _ProcessWorker:
         _end(conn, process, close=True)
 
     def start(self) -> None:
-        """Start the worker process, or raise why it could not start (``_cannot_start``), holding nothing of it.
+        """Start the worker process, or raise why it could not start (``_process_cannot_start``), holding nothing of it.
 
         A start half done would keep the pipe with both of its ends here: a message sent to it would wait forever.
         """
@@ -171,7 +171,7 @@ class _ProcessWorker:
 
             conn, theirs = context.Pipe()
         except OSError as error:
-            raise _cannot_start(error) from error
+            raise _process_cannot_start(error) from error
         progress: _Progress | None = None
         try:
             progress = _Progress()
@@ -185,7 +185,7 @@ class _ProcessWorker:
             if progress is not None:
                 progress.close(unlink=True)
             if isinstance(error, OSError):
-                raise _cannot_start(error) from error
+                raise _process_cannot_start(error) from error
             raise
         finally:
             theirs.close()

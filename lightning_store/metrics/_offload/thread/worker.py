@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 from lightning_store.metrics._offload.kept_warnings import _install, _uninstall
 from lightning_store.metrics._offload.queue import _answered_run
-from lightning_store.metrics._offload.workers import _local, _PerProcess
+from lightning_store.metrics._offload.workers import _cannot_start, _local, _PerProcess
 
 
 class _JobsQueue(Protocol):
@@ -67,11 +67,11 @@ class _WorkerThread:
             try:
                 thread.start()
             except RuntimeError as error:  # "can't start new thread": kept, it would be taken for one that ended
-                raise RuntimeError(
-                    f"lightning-store's offload worker thread could not start ({error}). Nothing of this call was"
-                    " done: the Metric is as it was before it, and its next call starts the worker thread again."
-                    " HINT: the system is short of memory or of threads: free memory, or end threads or processes;"
-                    " or keep the Metric as it is (not offloaded)."
+                raise _cannot_start(
+                    "thread",
+                    str(error),
+                    "the system is short of memory or of threads: free memory, or end threads or processes; or keep"
+                    " the Metric as it is (not offloaded)",
                 ) from error
             self.thread = thread
         self.jobs.append(job)
