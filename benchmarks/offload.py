@@ -35,8 +35,11 @@ exits with 1.
    is time in the worker, off the caller, and costs the step only where the worker falls behind.
 5. CPU, a launch-bound step: the training thread runs ``LAUNCH_OPS`` small ops a step (dispatcher-bound, as a host
    launching a GPU's kernels is), and updates a Metric whose update costs less than the step: a binned AUROC of
-   1,000 predictions, and Metrics that run Python in ``update`` (word error rate, ROUGE; detection mAP where
-   ``faster-coco-eval`` is installed). The time per step over ``LAUNCH_STEPS`` steps, the worker's queue waited
+   1,000 predictions, a confusion matrix of 1,000 classes, and Metrics that run Python in ``update`` (word error
+   rate, ROUGE; detection mAP where ``faster-coco-eval`` is installed). The binned AUROC and the confusion matrix
+   also beside the training step of a deep, narrow MLP (``MODEL_LAYERS`` layers, 4 samples), as long, whose
+   weights, gradients and activations (0.8 MB) share the cores' common cache with the update run on the other
+   core. The time per step over ``LAUNCH_STEPS`` steps, the worker's queue waited
    for at the end, with the Metric inline, in a worker thread and in a worker process, against the step with no
    Metric; each way in a process of its own (the step without a Metric ran slower beside the others in one
    process), each measure after ``WARM_UP_STEPS`` steps of its own, untimed. Reading the states back from the

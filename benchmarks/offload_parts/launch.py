@@ -7,7 +7,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torchmetrics
@@ -32,6 +32,7 @@ LAUNCH_OPS, LAUNCH_STEPS = 1500, 150  # steps a measure: the worker's queue, wai
 WARM_UP_STEPS = 20  # steps run, and waited for, before each measure: it starts from that way's own state
 READS = 5  # of the states back, each after its own updates: one may take a full pass of Python's garbage collector
 SHORT_OPS = LAUNCH_OPS // 8  # a step the binned AUROC's update takes longer than
+MODEL_LAYERS, MODEL_WIDTH = 80, 32  # a training step about as long as the step of `LAUNCH_OPS` (3.3 ms, 2 CPUs)
 _WORDS = [f"w{i}" for i in range(200)]
 
 
@@ -64,28 +65,72 @@ def _detection_batch(generator: torch.Generator) -> tuple:
     return preds, target
 
 
-_Case = tuple[Callable[[], Metric], Callable[[torch.Generator], tuple], int]  # the Metric, its inputs, ops a step
+class _Case(NamedTuple):
+    make: Callable[[], Metric]
+    inputs: Callable[[torch.Generator], tuple]
+    ops: int  # small ops a step: ``ops // 3`` rounds of three on one tensor of 16 elements
+    layers: int = 0  # else, a training step of an MLP this deep (see ``_Model``)
+
+
+class _Model:
+    """A training step of a deep, narrow MLP on 4 samples: small ops too, over 0.8 MB of weights, gradients and
+    activations.
+
+    The step of ``ops`` on one small tensor keeps its data in the core's own cache, which an update run at the same
+    time on the other core, over MBs of its own (a confusion matrix's 8 MB of counts), does not touch; this step's
+    data is in the cache the cores share. The weights do not change (SGD with a learning rate of 0, its ops run all
+    the same), so every step and way computes the same.
+    """
+
+    def __init__(self, layers: int) -> None:
+        generator = torch.Generator().manual_seed(5)
+        modules: list[torch.nn.Module] = []
+        for _ in range(layers):
+            linear = torch.nn.Linear(MODEL_WIDTH, MODEL_WIDTH)
+            torch.nn.init.orthogonal_(linear.weight, generator=generator)  # activations neither vanish nor blow up
+            modules += [linear, torch.nn.Tanh()]
+        self.model = torch.nn.Sequential(*modules, torch.nn.Linear(MODEL_WIDTH, 1))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
+        self.x = torch.randn(4, MODEL_WIDTH, generator=generator)
+
+    def step(self) -> None:
+        loss = self.model(self.x).square().mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
 
 
 def _launch_metrics() -> dict[str, _Case]:
     metrics: dict[str, _Case] = {
-        "BinaryAUROC(thresholds=200), 1,000 predictions": (
+        "BinaryAUROC(thresholds=200), 1,000 predictions": _Case(
             lambda: BinaryAUROC(thresholds=200),
             lambda generator: binary(1000, generator),
             LAUNCH_OPS,
         ),
-        "BinaryAUROC(thresholds=200), 1,000 predictions, a step shorter than the update": (
+        "BinaryAUROC(thresholds=200), 1,000 predictions, a step shorter than the update": _Case(
             lambda: BinaryAUROC(thresholds=200),
             lambda generator: binary(1000, generator),
             SHORT_OPS,
         ),
-        "MulticlassConfusionMatrix(1000), 10,000 predictions": (
+        "MulticlassConfusionMatrix(1000), 10,000 predictions": _Case(
             lambda: MulticlassConfusionMatrix(1000),
             lambda generator: multiclass(10_000, generator),
             LAUNCH_OPS,
         ),
-        "WordErrorRate, 32 sentences (Python)": (torchmetrics.text.WordErrorRate, _text_batch(32), LAUNCH_OPS),
-        "ROUGEScore (rouge1, rouge2, rougeL), 8 sentences (Python)": (
+        f"BinaryAUROC(thresholds=200), 1,000 predictions, an MLP's training step ({MODEL_LAYERS} layers)": _Case(
+            lambda: BinaryAUROC(thresholds=200),
+            lambda generator: binary(1000, generator),
+            LAUNCH_OPS,
+            MODEL_LAYERS,
+        ),
+        f"MulticlassConfusionMatrix(1000), 10,000 predictions, an MLP's training step ({MODEL_LAYERS} layers)": _Case(
+            lambda: MulticlassConfusionMatrix(1000),
+            lambda generator: multiclass(10_000, generator),
+            LAUNCH_OPS,
+            MODEL_LAYERS,
+        ),
+        "WordErrorRate, 32 sentences (Python)": _Case(torchmetrics.text.WordErrorRate, _text_batch(32), LAUNCH_OPS),
+        "ROUGEScore (rouge1, rouge2, rougeL), 8 sentences (Python)": _Case(
             lambda: torchmetrics.text.ROUGEScore(rouge_keys=("rouge1", "rouge2", "rougeL")),
             _text_batch(8),
             LAUNCH_OPS,
@@ -95,7 +140,7 @@ def _launch_metrics() -> dict[str, _Case]:
         import faster_coco_eval  # noqa: F401
         from torchmetrics.detection import MeanAveragePrecision
 
-        metrics["MeanAveragePrecision (faster_coco_eval), 8 images"] = (
+        metrics["MeanAveragePrecision (faster_coco_eval), 8 images"] = _Case(
             lambda: MeanAveragePrecision(backend="faster_coco_eval"),
             _detection_batch,
             LAUNCH_OPS,
@@ -105,26 +150,30 @@ def _launch_metrics() -> dict[str, _Case]:
     return metrics
 
 
+def _ops_step(x: Tensor, ops: int) -> None:
+    """``ops`` small ops on ``x``, one after the other: a step that is mostly the dispatcher's Python and C++."""
+    y = x
+    for _ in range(ops // 3):
+        y = y.mul(1.0001).add(0.0001).relu()
+
+
 def _launch_bound_steps(
-    metric: Metric | None, batches: list[tuple], steps: int, ops: int = LAUNCH_OPS, warm_up: int = 0
+    metric: Metric | None, batches: list[tuple], steps: int, step: Callable[[], None], warm_up: int = 0
 ) -> tuple[float, float]:
-    """The time per step of ``steps`` steps of ``ops`` small ops, a Metric updated in each, then settled.
+    """The time per step of ``steps`` calls of ``step``, a Metric updated after each, then settled.
 
     Also the time per step spent in the ``update`` calls alone. ``warm_up`` steps run first, untimed, and their
     updates are waited for: what the last measure left (in the allocator, the caches) is not counted in this one.
     """
     if warm_up:
-        _launch_bound_steps(metric, batches, warm_up, ops)
-    x = torch.ones(16)
+        _launch_bound_steps(metric, batches, warm_up, step)
     in_update = 0.0
     start = time.perf_counter()
-    for step in range(steps):
-        y = x
-        for _ in range(ops // 3):
-            y = y.mul(1.0001).add(0.0001).relu()
+    for index in range(steps):
+        step()
         if metric is not None:
             called = time.perf_counter()
-            metric.update(*batches[step % len(batches)])
+            metric.update(*batches[index % len(batches)])
             in_update += time.perf_counter() - called
     if metric is not None and _is_offloaded(metric):
         wait_for_updates(metric)  # the updates the worker still has are the steps' work; reading the states is not
@@ -140,11 +189,11 @@ def launch(report: Report, rounds: int, steps: int) -> None:
     offloaded ratios read lower than they are.
     """
     rng = random.Random(4)
-    for index, (name, (_, _, ops)) in enumerate(_launch_metrics().items()):
+    for index, (name, case) in enumerate(_launch_metrics().items()):
         with contextlib.ExitStack() as stack:
             serve = functools.partial(_serve_way, index)
             ways = {way: stack.enter_context(Way(way, serve)) for way in ("none", "inline", *WORKERS)}
-            _launch_rounds(report, name, ops, ways, rounds, steps, rng)
+            _launch_rounds(report, name, case.ops, ways, rounds, steps, rng)
             reads = sorted(ways["process"].ask(("read", steps)) for _ in range(READS))
             report.notes.append(
                 f"launch-bound step, {name}: reading the states back from the worker process after {steps} updates"
@@ -202,24 +251,25 @@ def _serve_way(index: int, way: str, threads: int, conn: Any) -> None:
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore", category=StoreOnCPUWarning)  # the short step falls behind on purpose
     _keep_freed_memory()
-    make, inputs, ops = list(_launch_metrics().values())[index]
+    case = list(_launch_metrics().values())[index]
     generator = torch.Generator().manual_seed(4)
-    batches = [inputs(generator) for _ in range(8)]
-    metric = None if way == "none" else make() if way == "inline" else offload_to_cpu(make(), worker=way)
-    _launch_bound_steps(metric, batches, 3, ops)  # warm-up (a worker process starts)
+    batches = [case.inputs(generator) for _ in range(8)]
+    step = _Model(case.layers).step if case.layers else functools.partial(_ops_step, torch.ones(16), case.ops)
+    metric = None if way == "none" else case.make() if way == "inline" else offload_to_cpu(case.make(), worker=way)
+    _launch_bound_steps(metric, batches, 3, step)  # warm-up (a worker process starts)
     while (request := conn.recv()) is not None:
         try:
             kind, *args = request
             if kind == "measure":
                 if metric is not None:
                     metric.reset()
-                conn.send(_launch_bound_steps(metric, batches, args[0], ops, warm_up=args[1]))
+                conn.send(_launch_bound_steps(metric, batches, args[0], step, warm_up=args[1]))
             elif kind == "value":
                 conn.send(_flat_value(metric))
             else:  # "read": the states back from the worker process, after a measure's updates, from empty
                 assert metric is not None
                 metric.reset()
-                _launch_bound_steps(metric, batches, args[0], ops)
+                _launch_bound_steps(metric, batches, args[0], step)
                 start = time.perf_counter()
                 settle(metric)
                 conn.send((time.perf_counter() - start) * 1e3)
