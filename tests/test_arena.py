@@ -74,7 +74,8 @@ def test_an_arena_whose_room_cannot_be_reserved_for_want_of_a_file_descriptor_le
 
     monkeypatch.setattr(arena_module.shared_memory, "SharedMemory", recorded)
     monkeypatch.setattr(arena_module.os, "open", no_descriptor_left)
-    with pytest.raises(OSError, match="Too many open files"):
+    with pytest.raises(RuntimeError, match=r"a segment of 4\.0 KiB for them could not be made \(OSError") as raised:
         _Arena(4096)
+    assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == errno.EMFILE
     assert len(made) == 1
     assert not os.path.exists(os.path.join("/dev/shm", made[0].lstrip("/")))

@@ -239,13 +239,88 @@ def test_a_worker_process_that_cannot_start_is_said_at_the_call_and_the_next_cal
         print(torch.equal(offloaded.compute(), plain.compute()), _process_worker().process.is_alive())
         """)
     )
-    raised = eval(error)  # an OSError of errno EAGAIN is a BlockingIOError
+    raised = eval(error, {"errno": errno})  # an OSError of errno EAGAIN is a BlockingIOError
     said = (
         f"lightning-store's offload worker process could not start ({type(raised).__name__}: {raised}). Nothing of"
         " this call was done: the Metric is as it was before it, and its next call starts the worker process again."
         f" HINT: {hint}; or pass worker='thread' to offload_to_cpu, which starts no process. True"
     )
     assert out == [said, "0 None", said, "0 None", "True True"]
+
+
+@pytest.mark.parametrize("where", ["shm_open", "posix_fallocate's open"])
+def test_shared_memory_that_cannot_be_made_is_said_at_the_call_and_the_next_call_makes_it(run, where):
+    """With the worker process up, an update whose inputs need a new segment, and no descriptor left to make it."""
+    out = _out(
+        run(f"""
+        import errno
+        from multiprocessing import shared_memory
+        from lightning_store.metrics._offload.process import arena as _arena
+        from torchmetrics.classification import MulticlassConfusionMatrix
+        plain = MulticlassConfusionMatrix(300)
+        offloaded = offload_to_cpu(MulticlassConfusionMatrix(300), worker="process")
+        small = torch.arange(40) % 300, torch.arange(40) % 7  # 640 bytes: with the message, in no segment
+        for m in (offloaded, plain):
+            m.update(*small)
+        offloaded.compute()  # the worker process is up, and no segment made yet
+        fds, shm = len(os.listdir("/proc/self/fd")), set(os.listdir("/dev/shm"))
+        error = OSError(errno.EMFILE, "Too many open files")
+        def fails(*args, **kwargs):
+            raise error
+        made, opened = shared_memory.SharedMemory, os.open
+        if {where!r} == "shm_open":
+            _arena.shared_memory.SharedMemory = fails
+        else:
+            _arena.os.open = lambda path, *a: fails() if path.startswith("/dev/shm/") else opened(path, *a)
+        large = torch.arange(2000) % 300, torch.arange(2000) % 7
+        try:
+            offloaded.update(*large)
+        except RuntimeError as raised:
+            print(raised, raised.__cause__ is error)
+        print(len(os.listdir("/proc/self/fd")) - fds, sorted(set(os.listdir("/dev/shm")) - shm))
+        _arena.shared_memory.SharedMemory, _arena.os.open = made, opened
+        for m in (offloaded, plain):
+            m.update(*large)
+        print(torch.equal(offloaded.compute(), plain.compute()), int(plain.compute().sum()))
+        """)
+    )
+    assert out == [
+        "lightning-store's offload worker process takes an update's inputs through shared memory, and a segment of"
+        " 16.0 MiB for them could not be made (OSError: [Errno 24] Too many open files). Nothing of this call was"
+        " done: the Metric is as it was before it, and its next call tries again. HINT: this process has as many"
+        " files open as it may: close some, or raise the limit (`ulimit -n`); or pass worker='thread' to"
+        " offload_to_cpu, which needs no shared memory. True",
+        "0 []",
+        "True 2040",
+    ]
+
+
+def test_an_update_interrupted_before_it_is_queued_hands_back_what_it_took(monkeypatch):
+    """Ctrl-C while an update waits for room: its inputs' device copies are released, and the next update runs."""
+    from lightning_store.metrics._offload.process import inputs as _inputs
+    from lightning_store.metrics._offload.process.arena import _Space
+
+    released = []
+    release = _inputs._Outgoing.release
+    monkeypatch.setattr(_inputs._Outgoing, "release", lambda self: released.append(self) or release(self))
+    plain, offloaded = SumMetric(), offload_to_cpu(SumMetric(), worker="process")
+    large = torch.arange(1000.0)  # 8 kB: in shared memory, not with the message
+    for metric in (plain, offloaded):
+        metric.update(large)
+    take = _Space.take
+
+    def interrupted(self, nbytes, wait):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_Space, "take", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        offloaded.update(large + 1)
+    assert len(released) == 1
+    monkeypatch.setattr(_Space, "take", take)
+    for metric in (plain, offloaded):
+        metric.update(large + 2)
+    assert torch.equal(offloaded.compute(), plain.compute())
+    assert len(released) == 1
 
 
 def test_a_worker_thread_that_cannot_start_is_said_at_the_call_and_the_next_call_starts_one(run):
@@ -335,7 +410,7 @@ def test_a_process_out_of_file_descriptors_is_told_so_and_never_hangs(run):
                 offloaded.update(*batch)
                 said.add("ran")
             except RuntimeError as error:
-                said.add(str(error).split(" HINT")[0].split("(")[0])
+                said.add(str(error).split(" HINT")[0].split("(")[0].split(" of ")[0])
             except OSError as error:
                 said.add(f"OSError {error.errno}")
             else:
@@ -348,7 +423,10 @@ def test_a_process_out_of_file_descriptors_is_told_so_and_never_hangs(run):
     )
     said = set(ast.literal_eval(out[0]))
     cannot_start = "lightning-store's offload worker process could not start "
-    assert {cannot_start, "ran"} <= said <= {cannot_start, "ran", f"OSError {errno.EMFILE}"}
+    no_segment = (
+        "lightning-store's offload worker process takes an update's inputs through shared memory, and a segment"
+    )
+    assert {cannot_start, "ran"} <= said <= {cannot_start, "ran", no_segment}
     equal, total = out[1].split()
     assert equal == "True" and int(total) > 0
 

@@ -1,6 +1,7 @@
 """What both kinds of offload worker share: one of each per process, made afresh in a fork, stopped at exit."""
 
 import atexit
+import errno
 import os
 import threading
 from collections.abc import Callable
@@ -63,6 +64,19 @@ _W = TypeVar("_W")
 # 10 s), the worker process told to `_Stop`, then ended if it has not after 2 s; an update made after that runs in
 # the caller (`_Inline`). Once no offloaded object is left, the worker process ends 10 s later (`_IDLE_S`): a new
 # one starts if need be.
+
+
+_SHORT_OF = {
+    errno.EMFILE: "this process has as many files open as it may: close some, or raise the limit (`ulimit -n`)",
+    errno.ENFILE: "the system has as many files open as it may: end what holds them",
+    errno.ENOMEM: "the system is short of memory: free some",
+    errno.EAGAIN: "the system is short of memory or of processes: free memory, or end processes",
+}
+
+
+def _short_of(error: OSError) -> str:
+    """What to do where ``error`` says the process or the system is short of something (files, memory...)."""
+    return _SHORT_OF.get(error.errno or 0, "fix what the error names")
 
 
 def _cannot_start(worker: str, cause: str, hint: str) -> RuntimeError:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_store.metrics._offload.layout import ALIGNMENT
+from lightning_store.metrics._offload.workers import _short_of
 
 _INITIAL_BYTES = 16 * 2**20
 _SHM = "/dev/shm"  # where POSIX shared memory lies on Linux: a tmpfs, 64 MB in a Docker container by default
@@ -66,7 +67,10 @@ class _Arena(_Segment):
             room = _room()
             if room is not None and room[0] < nbytes:
                 raise _NoRoom(nbytes, room)
-            self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+            try:
+                self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+            except OSError as error:  # no file descriptor or memory left, say
+                raise _NoSegment(nbytes, error) from error
             _reserve(self.shm, room)
         else:
             self.shm = shared_memory.SharedMemory(name=name)
@@ -124,10 +128,25 @@ class _NoRoom(RuntimeError):
         free, total = room if room is not None else (0, 0)
         super().__init__(
             f"lightning-store's offload worker process takes an update's inputs through shared memory, in {_SHM},"
-            f" which has {_mib(free)} free of {_mib(total)}: too little for the {_mib(nbytes)} these inputs need"
+            f" which has {_size(free)} free of {_size(total)}: too little for the {_size(nbytes)} these inputs need"
             " (written there, they would end this process with a Bus error). HINT: give the container more shared"
             " memory (`docker run --shm-size=8g`, or a memory-backed volume on /dev/shm), pass smaller batches, or"
             " pass worker='thread' to offload_to_cpu, which needs no shared memory."
+        )
+
+
+class _NoSegment(RuntimeError):
+    """A segment for an update's inputs that could not be made (no file descriptor or memory left): said, with the fix.
+
+    Raised at the call before its update is queued: nothing of it is done, and the next call tries again.
+    """
+
+    def __init__(self, nbytes: int, error: OSError) -> None:
+        super().__init__(
+            "lightning-store's offload worker process takes an update's inputs through shared memory, and a segment"
+            f" of {_size(nbytes)} for them could not be made ({type(error).__name__}: {error}). Nothing of this call"
+            " was done: the Metric is as it was before it, and its next call tries again. HINT:"
+            f" {_short_of(error)}; or pass worker='thread' to offload_to_cpu, which needs no shared memory."
         )
 
 
@@ -147,9 +166,9 @@ def _reserve(shm: shared_memory.SharedMemory, room: tuple[int, int] | None) -> N
         return
     try:
         fd = os.open(path, os.O_RDWR)
-    except OSError:  # no file descriptor left, say: the segment goes, not to hold its room until the process ends
+    except OSError as error:  # no file descriptor left, say: the segment goes, not to hold its room until the end
         _discard(shm)
-        raise
+        raise _NoSegment(shm.size, error) from error
     try:
         os.posix_fallocate(fd, 0, shm.size)
     except OSError as error:
@@ -168,8 +187,8 @@ def _discard(shm: shared_memory.SharedMemory) -> None:
     shm.unlink()
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:,.1f} MiB"
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.1f} KiB"
 
 
 _SMALLEST = 16 * 2**20

@@ -1,14 +1,13 @@
 """Why the worker process ended, or could not take an object: the real cause, and what to do, in words."""
 
 import ast
-import errno
 import os
 import signal
 import sys
 from types import FrameType, ModuleType
 from typing import Any
 
-from lightning_store.metrics._offload.workers import _cannot_start
+from lightning_store.metrics._offload.workers import _cannot_start, _short_of
 
 _RESET = "`reset()` the Metric to go on from an empty state."
 _GUARD = (
@@ -43,21 +42,12 @@ def _why_ended(code: int | None, ready: bool, fatal: tuple | None) -> tuple[str,
     return reason, _RESET
 
 
-_SHORT_OF = {
-    errno.EMFILE: "this process has as many files open as it may: close some, or raise the limit (`ulimit -n`)",
-    errno.ENFILE: "the system has as many files open as it may: end what holds them",
-    errno.ENOMEM: "the system is short of memory: free some",
-    errno.EAGAIN: "the system is short of memory or of processes: free memory, or end processes",
-}
-
-
 def _process_cannot_start(error: OSError) -> RuntimeError:
     """The error of a worker process that could not start (``error``: why), raised at the call that started it."""
-    hint = _SHORT_OF.get(error.errno or 0, "fix what the error names")
     return _cannot_start(
         "process",
         f"{type(error).__name__}: {error}",
-        f"{hint}; or pass worker='thread' to offload_to_cpu, which starts no process",
+        f"{_short_of(error)}; or pass worker='thread' to offload_to_cpu, which starts no process",
     )
 
 

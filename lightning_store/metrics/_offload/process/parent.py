@@ -235,15 +235,15 @@ class _ProcessWorker:
         its inputs have landed.
         """
         arena: _Arena | None = None
-        if outgoing.nbytes:
-            arena, offset = self.space.take(outgoing.nbytes, self._wait_for_answer)
-            outgoing.place(arena, offset)
         try:
+            if outgoing.nbytes:
+                arena, offset = self.space.take(outgoing.nbytes, self._wait_for_answer)
+                outgoing.place(arena, offset)
             inputs = outgoing.pickled(name)
-        except TypeError:
+        except BaseException:  # not queued (an input that cannot be pickled, no shared memory, Ctrl-C in a wait)
             if arena is not None:
                 arena.untake()
-            outgoing.release()
+            outgoing.release()  # the pinned memory of its device inputs
             raise
         self.space.sent(arena)
         self.outbox.append(_Queued(head, outgoing, state, _filters(), arena, inputs, run))
