@@ -73,8 +73,7 @@ class _Case(NamedTuple):
 
 
 class _Model:
-    """A training step of a deep, narrow MLP on 4 samples: small ops too, over 0.8 MB of weights, gradients and
-    activations.
+    """A training step of a deep, narrow MLP on 4 samples: small ops, over 0.8 MB of weights, gradients, activations.
 
     The step of ``ops`` on one small tensor keeps its data in the core's own cache, which an update run at the same
     time on the other core, over MBs of its own (a confusion matrix's 8 MB of counts), does not touch; this step's
