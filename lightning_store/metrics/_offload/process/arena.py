@@ -69,9 +69,9 @@ class _Arena(_Segment):
                 raise _NoRoom(nbytes, room)
             try:
                 self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+                _reserve(self.shm, room)
             except OSError as error:  # no file descriptor or memory left, say
                 raise _NoSegment(nbytes, error) from error
-            _reserve(self.shm, room)
         else:
             self.shm = shared_memory.SharedMemory(name=name)
         self.size = self.shm.size
@@ -121,17 +121,20 @@ class _Arena(_Segment):
         return torch.frombuffer(self.shm.buf, dtype=dtype, count=count, offset=offset)
 
 
+_THROUGH_SHM = "lightning-store's offload worker process takes an update's inputs through shared memory"
+_NO_SHM = "pass worker='thread' to offload_to_cpu, which needs no shared memory"
+
+
 class _NoRoom(RuntimeError):
     """Too little room in ``/dev/shm`` for an arena: said before a write there would end the process (a Bus error)."""
 
     def __init__(self, nbytes: int, room: tuple[int, int] | None) -> None:
         free, total = room if room is not None else (0, 0)
         super().__init__(
-            f"lightning-store's offload worker process takes an update's inputs through shared memory, in {_SHM},"
-            f" which has {_size(free)} free of {_size(total)}: too little for the {_size(nbytes)} these inputs need"
-            " (written there, they would end this process with a Bus error). HINT: give the container more shared"
-            " memory (`docker run --shm-size=8g`, or a memory-backed volume on /dev/shm), pass smaller batches, or"
-            " pass worker='thread' to offload_to_cpu, which needs no shared memory."
+            f"{_THROUGH_SHM}, in {_SHM}, which has {_size(free)} free of {_size(total)}: too little for the"
+            f" {_size(nbytes)} these inputs need (written there, they would end this process with a Bus error). HINT:"
+            " give the container more shared memory (`docker run --shm-size=8g`, or a memory-backed volume on"
+            f" /dev/shm), pass smaller batches, or {_NO_SHM}."
         )
 
 
@@ -143,10 +146,9 @@ class _NoSegment(RuntimeError):
 
     def __init__(self, nbytes: int, error: OSError) -> None:
         super().__init__(
-            "lightning-store's offload worker process takes an update's inputs through shared memory, and a segment"
-            f" of {_size(nbytes)} for them could not be made ({type(error).__name__}: {error}). Nothing of this call"
-            " was done: the Metric is as it was before it, and its next call tries again. HINT:"
-            f" {_short_of(error)}; or pass worker='thread' to offload_to_cpu, which needs no shared memory."
+            f"{_THROUGH_SHM}, and a segment of {_size(nbytes)} for them could not be made"
+            f" ({type(error).__name__}: {error}). Nothing of this call was done: the Metric is as it was before it,"
+            f" and its next call tries again. HINT: {_short_of(error)}; or {_NO_SHM}."
         )
 
 
@@ -166,9 +168,9 @@ def _reserve(shm: shared_memory.SharedMemory, room: tuple[int, int] | None) -> N
         return
     try:
         fd = os.open(path, os.O_RDWR)
-    except OSError as error:  # no file descriptor left, say: the segment goes, not to hold its room until the end
+    except OSError:  # no file descriptor left, say: the segment goes, not to hold its room until the process ends
         _discard(shm)
-        raise _NoSegment(shm.size, error) from error
+        raise
     try:
         os.posix_fallocate(fd, 0, shm.size)
     except OSError as error:
