@@ -40,19 +40,29 @@ def _dispatch_keys() -> tuple[Any, Any]:
     )
 
 
-_CARRIED: dict[tuple[Any, Any], tuple[Any, Any]] = {}  # the identities of a thread's key sets -> those carried
+# the identities of a thread's own key sets -> those of the sets carried, and the device types autocast is on for
+_CARRIED: dict[tuple[Any, Any], tuple[tuple[Any, Any], tuple[str, ...]]] = {}
+
+
+def _thread_keys() -> tuple[tuple[Any, Any], tuple[str, ...]]:
+    """The identities of :func:`_dispatch_keys`' two sets, and the device types autocast is on for in this thread.
+
+    Looked up by the identities of the thread's own sets, for few are seen: an update's call takes them each time.
+    """
+    raw = (_identity(torch._C._dispatch_tls_local_include_set()), _identity(torch._C._dispatch_tls_local_exclude_set()))
+    known = _CARRIED.get(raw)
+    if known is None:
+        included, excluded = _dispatch_keys()
+        autocast_on = tuple(device for device, key in _AUTOCAST_KEYS.items() if not excluded.has(key))
+        known = ((_identity(included), _identity(excluded)), autocast_on)
+        if len(_CARRIED) < 256:
+            _CARRIED[raw] = known
+    return known
 
 
 def _carried_keys() -> tuple[Any, Any]:
-    """The identities of :func:`_dispatch_keys`' two sets: looked up by those of the thread's own, for few are seen."""
-    raw = (_identity(torch._C._dispatch_tls_local_include_set()), _identity(torch._C._dispatch_tls_local_exclude_set()))
-    carried = _CARRIED.get(raw)
-    if carried is None:
-        included, excluded = _dispatch_keys()
-        carried = (_identity(included), _identity(excluded))
-        if len(_CARRIED) < 256:
-            _CARRIED[raw] = carried
-    return carried
+    """The identities of :func:`_dispatch_keys`' two sets (see :func:`_thread_keys`)."""
+    return _thread_keys()[0]
 
 
 def _key_names(identity: Any) -> set[str]:
@@ -102,9 +112,8 @@ class _CallerState:
         self.threads = torch.get_num_threads()
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
-        included, excluded = _dispatch_keys()
-        self.keys = (_identity(included), _identity(excluded))  # values, which a worker process can be sent
-        self.autocast = _autocast_on(excluded, self.keys[1])
+        self.keys, autocast_on = _thread_keys()  # values, which a worker process can be sent
+        self.autocast = tuple((device, _autocast_dtype(device)) for device in autocast_on)
         self.cache = torch.is_autocast_cache_enabled()
         self.flush = _flushes_subnormals()
         self.default_dtype = torch.get_default_dtype()
@@ -195,19 +204,3 @@ class _CallerState:
                 " plain Metric's.",
                 "call `update` outside that context, or keep this Metric as it is (not offloaded).",
             )
-
-
-_AUTOCAST_ON: dict[Any, tuple[str, ...]] = {}  # the identity of an excluded key set -> the device types it leaves on
-
-
-def _autocast_on(excluded: Any, identity: Any) -> tuple[tuple[str, torch.dtype], ...]:
-    """The device types autocast is on for in this thread (its key is not excluded), with the dtype of each.
-
-    ``identity`` is that of ``excluded``: a thread sees few key sets, whose device types are looked up once each.
-    """
-    devices = _AUTOCAST_ON.get(identity)
-    if devices is None:
-        devices = tuple(device for device, key in _AUTOCAST_KEYS.items() if not excluded.has(key))
-        if len(_AUTOCAST_ON) < 256:
-            _AUTOCAST_ON[identity] = devices
-    return tuple((device, _autocast_dtype(device)) for device in devices)

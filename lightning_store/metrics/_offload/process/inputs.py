@@ -196,29 +196,26 @@ class _Whole:
         return cls(tensors, tuple(kwargs))
 
     def __init__(self, tensors: tuple[Tensor, ...], names: tuple[str, ...]) -> None:
-        self.large: list[tuple[int, Tensor]] = []  # (index, tensor) of those written into the arena
+        self.large: list[tuple[int, Tensor, int]] = []  # (index, tensor, bytes) of those written into the arena
         described: list[Any] = []
         for index, tensor in enumerate(tensors):
-            tensor = tensor.detach()
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes <= _SMALL_BYTES:
                 data = ctypes.string_at(tensor.data_ptr(), nbytes)  # bytes: copied from as they are, in one move
                 shape, stride = tuple(tensor.shape), tensor.stride()
                 described.append((data, _DTYPES[tensor.dtype], shape, stride, tensor.is_inference()))
             else:
-                self.large.append((index, tensor))
+                self.large.append((index, tensor, nbytes))
                 described.append(None)
         self.described: list = [described, names]
-        self.nbytes = sum(_aligned(t.numel() * t.element_size()) for _, t in self.large)
+        self.nbytes = sum(_aligned(nbytes) for _, _, nbytes in self.large)
 
     def place(self, arena: _Arena, offset: int) -> None:
         """Write the larger tensors at ``offset`` in ``arena``, taken for :attr:`nbytes`."""
         described = self.described[0]
-        for index, tensor in self.large:
-            count = tensor.numel()
-            arena.tensor(offset, tensor.dtype, count).copy_(tensor.reshape(count))
+        for index, tensor, nbytes in self.large:
+            ctypes.memmove(arena.address + offset, tensor.data_ptr(), nbytes)  # contiguous: its bytes, in one move
             shape, stride = tuple(tensor.shape), tensor.stride()
-            nbytes = count * tensor.element_size()
             described[index] = (arena.name, offset, nbytes, _DTYPES[tensor.dtype], shape, stride, tensor.is_inference())
             offset += _aligned(nbytes)
         self.large = []  # the caller's tensors are not kept
