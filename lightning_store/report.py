@@ -48,7 +48,7 @@ class KeyStorage:
             after its bytes were counted: reading its states waits for the updates queued before, so this is 0
             unless another thread queued updates meanwhile.
         waited_s: for an offloaded ``Metric``, the seconds its ``update`` calls have waited, in all, for the queue
-            to have room (``max_pending``).
+            to have room (``max_pending``) or, with a worker process, the shared memory its inputs go through.
         worker_behind: for an offloaded ``Metric``, whether its worker fell behind the calls over the latest 50
             updates (they waited for room for half of their time or more): the step then waits for the Metric's
             work, and takes about as long as the update does in the worker (a ``StoreOnCPUWarning`` says so,

@@ -60,6 +60,26 @@ def test_a_worker_that_falls_behind_is_said_with_the_default_max_pending(worker)
     assert torch.equal(metric.compute(), plain.compute())
 
 
+def test_a_wait_for_the_shared_memory_of_the_inputs_is_a_wait_for_the_worker_process():
+    # inputs of 1 MiB an update: the shared memory they go through (16 MiB) fills before max_pending (64) updates
+    # wait, and a caller faster than the worker process waits there, not for room in the queue
+    metric, plain = offload_to_cpu(Slow(), worker="process"), SumMetric()
+    value = torch.ones(2**18)
+    with pytest.warns(StoreOnCPUWarning, match=r"^Slow: its offload worker falls behind: `update` waited") as caught:
+        for _ in range(3 * WINDOW):
+            metric.update(value)
+            plain.update(value)
+    queue = _queue_of(metric)
+    assert queue.lag.behind and queue.waits > 0 and queue.waited_s > 0
+    messages = [str(w.message) for w in caught]
+    behind = [message for message in messages if "falls behind" in message]
+    assert len(behind) == 1
+    assert "waited for room in the queue or in the shared memory its inputs go through for " in behind[0]
+    assert behind[0].endswith("or time the step with the Metric kept as it is (not offloaded).")  # no max_pending
+    assert not any("more than it saves" in message for message in messages)  # the waits are not the hand-off
+    assert torch.equal(metric.compute(), plain.compute())
+
+
 def test_a_worker_that_keeps_up_says_nothing():
     metric = offload_to_cpu(SumMetric(), max_pending=2, worker="thread")
     with warnings.catch_warnings():

@@ -78,12 +78,12 @@ class _Queue:
 
     @property
     def waits(self) -> int:
-        """How many ``update`` calls waited for room in the queue, in all (counted by its lag)."""
+        """How many ``update`` calls waited for the worker (for room in the queue or its shared memory), in all."""
         return self.lag.waits
 
     @property
     def waited_s(self) -> float:
-        """How long, in seconds, ``update`` calls waited for room in the queue, in all (counted by its lag)."""
+        """How long, in seconds, ``update`` calls waited for the worker (see :attr:`waits`), in all."""
         return self.lag.waited_s
 
     def queue_update(self, obj: Module, update: Callable, args: tuple, kwargs: dict) -> None:
@@ -122,15 +122,18 @@ class _Queue:
         self.pending -= count
         self.dropped += count
 
-    def _count_call(self, started: float, waited: float | None, starting: bool = False) -> None:
+    def _count_call(
+        self, started: float, waited: float | None, starting: bool = False, for_space: bool = False
+    ) -> None:
         """Count an update's call, ``started`` at that ``perf_counter()``, which ``waited`` for room (or did not).
 
-        ``starting``: the call waited for a worker process to start, not for updates (see :meth:`_Lag.count`).
+        ``starting``: the call waited for a worker process to start, not for updates (see :meth:`_Lag.count`);
+        ``for_space``: it waited for room in a worker process's shared memory for its inputs, not in the queue.
         Said once each: that the worker falls behind (the lag), that offloading costs the step more than it saves.
         """
         handoff_s = time.perf_counter() - started - (waited or 0.0)
         for message in (
-            self.lag.count(started, waited, self.name, self.max_pending, starting),
+            self.lag.count(started, waited, self.name, self.max_pending, starting, for_space),
             self.payoff.called(handoff_s, self.name, self.worker),
         ):
             if message is not None:
@@ -238,6 +241,7 @@ class _Lag:
         "waited_s",
         "waits",
         "window_calls",
+        "window_for_space",
         "window_started",
         "window_waited_s",
         "window_waits",
@@ -246,16 +250,23 @@ class _Lag:
     def __init__(self) -> None:
         self.waits = self.window_calls = self.window_waits = 0
         self.waited_s = self.window_waited_s = self.window_started = 0.0
-        self.behind = self.told = False
+        self.behind = self.told = self.window_for_space = False
 
     def count(
-        self, started: float, waited_s: float | None, name: str, max_pending: int, starting: bool = False
+        self,
+        started: float,
+        waited_s: float | None,
+        name: str,
+        max_pending: int,
+        starting: bool = False,
+        for_space: bool = False,
     ) -> str | None:
         """Count a call ``started`` at that ``perf_counter()``, which ``waited_s`` for room (``None``: it did not).
 
         ``starting``: it waited for a worker process to start (seconds), with the updates queued meanwhile, which
-        says nothing of the worker's pace: counted in all, and a new window starts after it. Returns the message
-        that the worker falls behind, once.
+        says nothing of the worker's pace: counted in all, and a new window starts after it. ``for_space``: it
+        waited for room in a worker process's shared memory for its inputs, which a larger ``max_pending`` does not
+        make. Returns the message that the worker falls behind, once.
         """
         if waited_s is not None:
             self.waits += 1
@@ -269,24 +280,36 @@ class _Lag:
         if waited_s is not None:
             self.window_waits += 1
             self.window_waited_s += waited_s
+            self.window_for_space |= for_space
         if self.window_calls < WINDOW:
             return None
-        calls, waits, waited_s = self.window_calls, self.window_waits, self.window_waited_s
+        calls, waits, waited_s, for_space = (
+            self.window_calls,
+            self.window_waits,
+            self.window_waited_s,
+            self.window_for_space,
+        )
         window_s = time.perf_counter() - self.window_started
         self._new_window()
         self.behind = 2 * waited_s >= window_s
         if not self.behind or self.told:
             return None
         self.told = True
+        room = "in the queue or in the shared memory its inputs go through" if for_space else "in the queue"
+        bursts = (
+            ""
+            if for_space  # the shared memory holds fewer of these inputs than max_pending
+            else f"; if the calls come in bursts, a larger max_pending (now {max_pending}) absorbs them"
+        )
         return (
-            f"{name}: its offload worker falls behind: `update` waited for room in the queue for {waited_s:.3f} s"
+            f"{name}: its offload worker falls behind: `update` waited for room {room} for {waited_s:.3f} s"
             f" of the last {calls} calls' {window_s:.3f} s (at {waits} of them). The step waits for the Metric's"
             " work: it takes about as long as the update does in the worker, and offloading saves it only the time"
             " the two overlap. HINT: update the Metric less often (every few steps), or time the step with the"
-            " Metric kept as it is (not offloaded); if the calls come in bursts, a larger max_pending (now"
-            f" {max_pending}) absorbs them."
+            f" Metric kept as it is (not offloaded){bursts}."
         )
 
     def _new_window(self) -> None:
         self.window_calls = self.window_waits = 0
         self.window_waited_s = 0.0
+        self.window_for_space = False

@@ -6,6 +6,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -226,18 +227,31 @@ class _ProcessWorker:
 
     def queue_update(
         self, head: tuple[int, int, str], outgoing: _Outgoing, state: _CallerState, name: str, run: int
-    ) -> None:
+    ) -> float | None:
         """Take arena space for ``outgoing`` (waiting for answers if need be), write it, and queue it to be sent.
 
         ``head``: the object's id, the update's number, its Module's path in the object; ``run``: how many of its
         queue's updates go at once (``queue._answered_run``). Its inputs are pickled now:
         an input that cannot go to another process raises here, and nothing is queued. :meth:`flush` sends it, once
-        its inputs have landed.
+        its inputs have landed. Returns how long it waited for space (``None``: it did not), which is a wait for
+        the worker process to run updates, as one for room in the queue: at the default ``max_pending``, inputs of
+        more than 256 KiB an update fill the arena first (a wait before it started sets ``waited_for_start``).
         """
         arena: _Arena | None = None
+        waited: float | None = None
+
+        def wait_for_space() -> None:
+            nonlocal waited
+            self.waited_for_start |= not self.ready
+            started = time.perf_counter()
+            try:
+                self._wait_for_answer()
+            finally:
+                waited = (waited or 0.0) + time.perf_counter() - started
+
         try:
             if outgoing.nbytes:
-                arena, offset = self.space.take(outgoing.nbytes, self._wait_for_answer)
+                arena, offset = self.space.take(outgoing.nbytes, wait_for_space)
                 outgoing.place(arena, offset)
             inputs = outgoing.pickled(name)
         except BaseException:  # not queued (an input that cannot be pickled, no shared memory, Ctrl-C in a wait)
@@ -247,6 +261,7 @@ class _ProcessWorker:
             raise
         self.space.sent(arena)
         self.outbox.append(_Queued(head, outgoing, state, _filters(), arena, inputs, run))
+        return waited
 
     def unqueue_last(self) -> None:
         """Take back the update last queued, not sent (its object was lost while it waited for space)."""

@@ -94,13 +94,13 @@ class _ProcessQueue(_Queue):
             self._send_root()
             worker.waited_for_start = False
             waited = _wait_for_room(self, worker.wait_for_room, worker.receive_ready)
-            starting = worker.waited_for_start
             if self.lost is not None:  # lost while it waited
                 self.report()
             head = (self.id, self.queued + 1, path)
             generation = worker.generation
             run = _answered_run(self.max_pending)
-            worker.queue_update(head, outgoing, _CallerState(), self.name, run)  # raises: not queued
+            for_space = worker.queue_update(head, outgoing, _CallerState(), self.name, run)  # raises: not queued
+            starting = worker.waited_for_start
             if worker.generation != generation:  # the worker process ended while it waited
                 if self.lost is not None:
                     worker.unqueue_last()
@@ -114,7 +114,9 @@ class _ProcessQueue(_Queue):
             self.queued += 1
             self.ahead_there = True
             worker.flush(wait=False, hold=True)
-        self._count_call(called, waited, starting)
+        if for_space is not None:
+            waited = (waited or 0.0) + for_space
+        self._count_call(called, waited, starting, for_space is not None)
 
     def queue_call(self, obj: Module, method: str, *args: Any) -> None:
         worker = _process_worker()
