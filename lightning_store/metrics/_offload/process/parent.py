@@ -233,9 +233,10 @@ class _ProcessWorker:
         ``head``: the object's id, the update's number, its Module's path in the object; ``run``: how many of its
         queue's updates go at once (``queue._answered_run``). Its inputs are pickled now:
         an input that cannot go to another process raises here, and nothing is queued. :meth:`flush` sends it, once
-        its inputs have landed. Returns how long it waited for space (``None``: it did not), which is a wait for
-        the worker process to run updates, as one for room in the queue: at the default ``max_pending``, inputs of
-        more than 256 KiB an update fill the arena first (a wait before it started sets ``waited_for_start``).
+        its inputs have landed. Returns how long it waited for space while the worker process had updates to run
+        (``None``: it did not), a wait for its pace as one for room in the queue is: at the default ``max_pending``,
+        inputs of more than 256 KiB an update fill the arena first. A wait for the answer of updates it has run
+        (it answers a run of them at once) is part of the hand-off; one before it started sets ``waited_for_start``.
         """
         arena: _Arena | None = None
         waited: float | None = None
@@ -243,11 +244,13 @@ class _ProcessWorker:
         def wait_for_space() -> None:
             nonlocal waited
             self.waited_for_start |= not self.ready
+            behind = not self.ready or bool(self.outbox) or self.busy()
             started = time.perf_counter()
             try:
                 self._wait_for_answer()
             finally:
-                waited = (waited or 0.0) + time.perf_counter() - started
+                if behind:
+                    waited = (waited or 0.0) + time.perf_counter() - started
 
         try:
             if outgoing.nbytes:
