@@ -283,12 +283,8 @@ class _Lag:
             self.window_for_space |= for_space
         if self.window_calls < WINDOW:
             return None
-        calls, waits, waited_s, for_space = (
-            self.window_calls,
-            self.window_waits,
-            self.window_waited_s,
-            self.window_for_space,
-        )
+        calls, waits, waited_s = self.window_calls, self.window_waits, self.window_waited_s
+        for_space = self.window_for_space
         window_s = time.perf_counter() - self.window_started
         self._new_window()
         self.behind = 2 * waited_s >= window_s

@@ -243,8 +243,9 @@ class _ProcessWorker:
 
         def wait_for_space() -> None:
             nonlocal waited
-            self.waited_for_start |= not self.ready
-            behind = not self.ready or bool(self.outbox) or self.busy()
+            starting = not self.ready
+            self.waited_for_start |= starting
+            behind = starting or bool(self.outbox) or self.busy()
             started = time.perf_counter()
             try:
                 self._wait_for_answer()
