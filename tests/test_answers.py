@@ -9,7 +9,10 @@ import pytest
 from lightning_store.metrics._offload.process import messages
 from lightning_store.metrics._offload.process.answers import _AT_ONCE_BYTES, _Answers
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="every answer goes through the thread on Windows")
+pytestmark = [
+    pytest.mark.skipif(sys.platform == "win32", reason="every answer goes through the thread on Windows"),
+    pytest.mark.no_lightning,  # no Lightning here: not run again on each Lightning minor (.ci/run)
+]
 
 
 def _read_all(conn, count):

@@ -11,6 +11,8 @@ from lightning_store.metrics._offload.layout import ALIGNMENT
 from lightning_store.metrics._offload.process import arena as arena_module
 from lightning_store.metrics._offload.process.arena import _Arena, _Space
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 
 def test_spans_are_taken_in_order_wrap_around_and_wait_when_full():
     arena = _Arena(1024)

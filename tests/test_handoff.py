@@ -13,6 +13,8 @@ from lightning_store.metrics._offload.process.parent import _process_worker
 from lightning_store.metrics._offload.queue import DEFAULT_MAX_PENDING, _answered_run
 from lightning_store.metrics._reads import _queue_of
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -102,6 +104,7 @@ def test_the_worker_process_answers_a_short_run_of_updates_only_when_asked(max_p
     assert worker.running == 0
 
 
+@pytest.mark.filterwarnings("ignore:.*falls behind")  # back to back on purpose: the calls wait for the worker
 @pytest.mark.parametrize("max_pending", [8, 16])
 def test_back_to_back_updates_go_and_are_answered_by_half_the_queue(max_pending, monkeypatch):
     metric, plain = offload_to_cpu(SlowSum(0.002), max_pending=max_pending), SumMetric()

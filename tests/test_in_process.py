@@ -29,6 +29,8 @@ from lightning_store import offload_to_cpu
 from lightning_store.metrics._offload.process.parent import _process_worker
 from lightning_store.metrics._reads import _queue_of
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 
 def _pair(make):
     return offload_to_cpu(make(), worker="process"), make()
@@ -397,6 +399,7 @@ def _updates_per_message(monkeypatch):
     return counts
 
 
+@pytest.mark.filterwarnings("ignore:.*falls behind")  # back to back on purpose: the calls wait for the worker
 @pytest.mark.filterwarnings("ignore:.*costs the step more than it saves")  # a cheap Metric, back to back
 def test_updates_sent_in_one_message_run_one_by_one_each_with_its_callers_state(monkeypatch):
     counts = _updates_per_message(monkeypatch)

@@ -12,6 +12,8 @@ from torchmetrics import CatMetric, MeanMetric, SumMetric
 from lightning_store import offload_to_cpu
 from lightning_store.metrics._offload import inputs as _inputs
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 
 def _randn(*shape: int, seed: int = 0) -> Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))

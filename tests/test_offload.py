@@ -26,6 +26,8 @@ from lightning_store import gather_on_device, offload_to_cpu, store_states_on_cp
 from lightning_store.metrics._offload.thread.worker import _thread_worker
 from lightning_store.metrics._reads import _queue_of
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 GATE = threading.Event()  # held by `Gated.update`: closed, updates stay queued; a Metric must deep-copy, so not held
 
 

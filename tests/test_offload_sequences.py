@@ -31,7 +31,10 @@ from lightning_store import offload_to_cpu
 
 # torchmetrics' warning for a NaN it drops (`nan_strategy="warn"`): the inputs hold NaNs on purpose, and the tests of
 # the offloaded warnings hold it to its text and place
-pytestmark = pytest.mark.filterwarnings("ignore:Encountered `nan` values in tensor:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Encountered `nan` values in tensor:UserWarning"),
+    pytest.mark.no_lightning,  # no Lightning here: not run again on each Lightning minor (.ci/run)
+]
 
 SEEDS, CALLS = range(3), 40
 

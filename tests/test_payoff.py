@@ -11,6 +11,8 @@ from lightning_store import StoreOnCPUWarning, offload_to_cpu
 from lightning_store.metrics._offload.payoff import WARM_UP, WINDOW, _Payoff
 from lightning_store.metrics._reads import _queue_of
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 
 def _fed(payoff: _Payoff, handoff_s: float, saved_s: float, held_s: float, worker: str = "thread") -> list[str]:
     """Feed ``payoff`` the same figures for the first updates and a window; the messages it returned."""

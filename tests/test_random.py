@@ -14,6 +14,8 @@ from lightning_store import StoreOnCPUWarning, offload_to_cpu
 from lightning_store.metrics._offload.thread.worker import _thread_worker
 from lightning_store.metrics._reads import _queue_of
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 HOST_DRAWS = {name: draw for name, draw in DRAWS.items() if name != "torch's CPU"}  # torch's: `test_guard.py`
 
 

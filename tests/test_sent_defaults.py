@@ -10,6 +10,8 @@ from lightning_store import offload_to_cpu
 from lightning_store.metrics._offload.process import parent
 from lightning_store.metrics._offload.process.parent import _process_worker
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 
 @pytest.fixture
 def copies_sent(monkeypatch):

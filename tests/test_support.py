@@ -8,6 +8,8 @@ import _support
 import pytest
 from _support import run_workers
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 # Writes rank{RANK}.json with what it was given; tells the runner what to do through files beside it.
 WORKER = """
 import json, os, sys, time

@@ -8,6 +8,8 @@ import time
 import pytest
 from _support import HANG_S
 
+pytestmark = pytest.mark.no_lightning  # no Lightning here: not run again on each Lightning minor (.ci/run)
+
 PRELUDE = """
 import os, pickle, sys, threading, time
 import torch
