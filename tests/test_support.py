@@ -1,8 +1,11 @@
 """The runner of multi-process tests, ``_support.run_workers``, on tiny workers that need no torch."""
 
+import ast
 import json
 import os
+import re
 import textwrap
+from pathlib import Path
 
 import _support
 import pytest
@@ -106,3 +109,26 @@ def test_stale_results_of_an_earlier_run_are_not_read(worker):
     (out / "rank1.json").write_text(json.dumps({"RANK": "stale"}))
     seen = run_workers(path, out, world_size=2)
     assert seen[1]["RANK"] == "1"
+
+
+# Lightning, or lightning-store's parts for it, in a test module (its own text, matched by none of this pattern's)
+USES_LIGHTNING = (
+    r"\bpytorch_lightning\b|\b(?:import|from) lightning\b(?!_)|\bTrainer\b|quiet_trainer[_]kwargs|\bStoreOnCPUMixin\b"
+    r'|\b_compat\b|\b_selfcheck\b|"lightning_store"\]'  # the last: `python -m lightning_store`, the self-check
+)
+
+
+def test_the_modules_marked_no_lightning_involve_no_lightning():
+    """CI runs a module marked ``no_lightning`` in README's run and at the floors, not on each Lightning minor: one
+    that used Lightning, in its imports or in the code it runs in other processes, would leave the minors untested."""
+    marked = []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        text = path.read_text()
+        tree = ast.parse(text)
+        marks = [node.value for node in tree.body if isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node)]
+        if not any("no_lightning" in ast.unparse(mark) for mark in marks):
+            continue
+        marked.append(path.name)
+        used = re.findall(USES_LIGHTNING, text)
+        assert not used, f"{path.name} is marked no_lightning and uses Lightning: {used}"
+    assert "test_worker.py" in marked and "test_offload.py" in marked
